@@ -1,0 +1,1 @@
+"""The SQL implementation of the store (SQLite and PostgreSQL)."""

@@ -1,0 +1,770 @@
+"""How a unit of work reaches the database (DESIGN §5, contract §0.3).
+
+One I/O worker per process and database does the database work of every store instance on that
+database in that process.  Public coroutines, from any loop or thread, hand it a *unit* (a plain sync
+function over a SQLAlchemy ``Connection``) and await a ``concurrent.futures.Future``:
+
+* ``SqliteThreadWorker``: a thread owning one stdlib ``sqlite3`` connection (``isolation_level=None``,
+  ``BEGIN IMMEDIATE`` for every writing unit).  One thread hop per call.
+* ``AsyncLoopWorker``: a thread running its own event loop that owns an async engine (asyncpg for
+  PostgreSQL, aiosqlite for ``sqlite+aiosqlite://``) and, on PostgreSQL, one LISTEN connection.
+
+Both retry transient failures by replaying the whole unit with jittered back-off, and turn a database
+that stays unreachable past ``connect_deadline_seconds`` into ``StoreUnavailableError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import fcntl
+import json
+import logging
+import os
+import queue
+import random
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from sqlalchemy import URL, Connection, Engine, create_engine, event, make_url, text
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.pool import StaticPool
+
+from lightning_sql.store.sql import migrate
+from lightning_sql.store.sql.errors import StoreUnavailableError
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# --- tuning knobs -----------------------------------------------------------------------------
+SQLITE_BUSY_TIMEOUT_S = 30.0  # writers of other processes wait inside SQLite before we retry
+SQLITE_DATA_VERSION_POLL_S = 0.05  # how fast another process's commit wakes a waiter (contract §2.12)
+PG_POOL_SIZE = 10  # concurrent units per process; claims and span writes overlap on PostgreSQL
+PG_MAX_OVERFLOW = 10
+PG_LISTEN_RECONNECT_S = 1.0  # how soon a lost LISTEN connection is re-established
+RETRY_BASE_DELAY_S = 0.01  # first back-off after a transient error; doubles up to the cap
+RETRY_MAX_DELAY_S = 1.0
+NOTIFY_CHANNEL = "lightning_sql_v1"
+
+# PostgreSQL SQLSTATEs that a replay of the whole unit can cure.
+_PG_TRANSIENT_SQLSTATES = {
+    "40001",  # serialization_failure
+    "40P01",  # deadlock_detected
+    "55P03",  # lock_not_available
+    "57P01",  # admin_shutdown
+    "57P02",  # crash_shutdown
+    "57P03",  # cannot_connect_now
+    "08000",
+    "08003",
+    "08006",
+    "08001",
+    "08004",
+}
+# ...and those no retry can cure: report them at once.
+_PG_PERMANENT_SQLSTATES = {
+    "28000",  # invalid_authorization_specification
+    "28P01",  # invalid_password
+    "3D000",  # invalid_catalog_name (unknown database)
+    "42501",  # insufficient_privilege
+}
+
+
+class EncodedJson(str):
+    """JSON text already validated and encoded by the store: the engine's serializer passes it through."""
+
+    __slots__ = ()
+
+
+def _json_serializer(value: Any) -> str:
+    if isinstance(value, EncodedJson):
+        return value
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def mask_url(url: URL | str) -> str:
+    """The URL as text with its password replaced by ``***``."""
+    if isinstance(url, str):
+        try:
+            url = make_url(url)
+        except Exception:
+            return "<unparseable url>"
+    return url.render_as_string(hide_password=True)
+
+
+# --- URL normalisation ------------------------------------------------------------------------
+
+_PG_DRIVER_ALIASES = {
+    "postgresql",
+    "postgres",
+    "postgresql+psycopg2",
+    "postgresql+psycopg",
+    "postgresql+asyncpg",
+    "postgresql+pg8000",
+}
+# libpq query options that asyncpg takes under another name (or not at all).
+_LIBPQ_TRANSLATIONS = {"sslmode": "ssl", "connect_timeout": "timeout", "application_name": None}
+
+
+@dataclass(frozen=True)
+class DatabaseTarget:
+    """A normalised database location: which worker kind serves it and with which URL."""
+
+    kind: str  # "sqlite" (writer thread), "sqlite-memory", "aiosqlite", "postgresql"
+    url: URL
+    path: str | None = None  # SQLite file path (absolute)
+
+    @property
+    def dialect(self) -> str:
+        return "postgresql" if self.kind == "postgresql" else "sqlite"
+
+    @property
+    def masked(self) -> str:
+        return mask_url(self.url)
+
+
+def normalise_url(raw: str | URL) -> DatabaseTarget:
+    """Map a user's URL onto the backend that serves it (contract §4 URL normalisation)."""
+    try:
+        url = make_url(raw) if isinstance(raw, str) else raw
+    except Exception as exc:
+        raise ValueError(f"Invalid database URL {mask_url(str(raw))!r}: {exc}") from None
+    driver = url.drivername
+    if driver in ("sqlite", "sqlite+pysqlite", "sqlite+aiosqlite"):
+        database = url.database or ""
+        if database in ("", ":memory:") or database.startswith("file::memory:"):
+            if driver == "sqlite+aiosqlite":
+                raise ValueError(
+                    f"In-memory databases are served by the plain sqlite:// URL, not {mask_url(url)!r}"
+                )
+            return DatabaseTarget("sqlite-memory", url.set(drivername="sqlite", database=":memory:"))
+        path = str(Path(database).expanduser().resolve())
+        if driver == "sqlite+aiosqlite":
+            return DatabaseTarget("aiosqlite", url.set(database=path), path)
+        return DatabaseTarget("sqlite", url.set(drivername="sqlite", database=path), path)
+    if driver in _PG_DRIVER_ALIASES:
+        query = dict(url.query)
+        for key in list(query):
+            if key in _LIBPQ_TRANSLATIONS:
+                new_key = _LIBPQ_TRANSLATIONS[key]
+                value = query.pop(key)
+                if new_key is not None:
+                    query[new_key] = value
+        return DatabaseTarget("postgresql", url.set(drivername="postgresql+asyncpg", query=query))
+    raise ValueError(
+        f"Unsupported database URL {mask_url(url)!r}: use sqlite:///path.db, sqlite+aiosqlite:///path.db "
+        "or postgresql://user@host/db"
+    )
+
+
+# --- units and their context ------------------------------------------------------------------
+
+
+@dataclass
+class UnitContext:
+    """What a unit sees besides its connection: the dialect and the events it wants announced."""
+
+    conn: Connection
+    dialect: str
+    events: set[tuple[int, str]] = field(default_factory=set)
+
+    def announce(self, run_id: int, kind: str) -> None:
+        """Record a ``finished``/``queued`` event, delivered once per kind and run after commit."""
+        self.events.add((run_id, kind))
+
+
+Unit = Callable[[UnitContext], T]
+
+
+def _sqlstate(exc: BaseException) -> str | None:
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        state = getattr(cur, "sqlstate", None) or getattr(cur, "pgcode", None)
+        if isinstance(state, str):
+            return state
+        cur = getattr(cur, "orig", None) or cur.__cause__ or cur.__context__
+    return None
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    out: list[BaseException] = []
+    cur: BaseException | None = exc
+    while cur is not None and cur not in out:
+        out.append(cur)
+        cur = getattr(cur, "orig", None) or cur.__cause__ or cur.__context__
+    return out
+
+
+def classify_error(exc: BaseException) -> str:
+    """``"transient"`` (replay the unit), ``"unavailable"`` (give up at once) or ``"fatal"``."""
+    state = _sqlstate(exc)
+    if state in _PG_PERMANENT_SQLSTATES:
+        return "unavailable"
+    if state in _PG_TRANSIENT_SQLSTATES:
+        return "transient"
+    for item in _chain(exc):
+        if isinstance(item, DBAPIError) and item.connection_invalidated:
+            return "transient"
+        if isinstance(item, (sqlite3.OperationalError, OperationalError)):
+            message = str(item).lower()
+            if "locked" in message or "busy" in message:
+                return "transient"
+            if "unable to open database" in message:
+                return "unavailable"
+        if isinstance(item, (ConnectionError, TimeoutError, OSError)) and not isinstance(
+            item, (FileNotFoundError, PermissionError)
+        ):
+            return "transient"
+        name = type(item).__name__
+        if name in (
+            "ConnectionDoesNotExistError",
+            "InterfaceError",
+            "CannotConnectNowError",
+            "ConnectionFailureError",
+            "PostgresConnectionError",
+            "InternalClientError",
+        ) and "connection" in (str(item).lower() + name.lower()):
+            return "transient"
+        if name in ("InvalidPasswordError", "InvalidAuthorizationSpecificationError", "InvalidCatalogNameError"):
+            return "unavailable"
+    return "fatal"
+
+
+def _backoff(attempt: int) -> float:
+    delay = min(RETRY_MAX_DELAY_S, RETRY_BASE_DELAY_S * (2**attempt))
+    return delay * (0.5 + random.random())
+
+
+# --- the wait hub: in-process wake-ups --------------------------------------------------------
+
+
+class WaitHub:
+    """Waiters of this process on one database; woken after commits, notifications and polls."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiters: dict[int, set[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
+
+    def register(self, run_id: int) -> tuple[asyncio.AbstractEventLoop, asyncio.Event]:
+        entry = (asyncio.get_running_loop(), asyncio.Event())
+        with self._lock:
+            self._waiters.setdefault(run_id, set()).add(entry)
+        return entry
+
+    def unregister(self, run_id: int, entry: tuple[asyncio.AbstractEventLoop, asyncio.Event]) -> None:
+        with self._lock:
+            bucket = self._waiters.get(run_id)
+            if bucket is not None:
+                bucket.discard(entry)
+                if not bucket:
+                    del self._waiters[run_id]
+
+    @property
+    def has_waiters(self) -> bool:
+        return bool(self._waiters)
+
+    def wake(self, run_id: int | None = None) -> None:
+        """Wake the waiters of one run (or of every run when ``run_id`` is None)."""
+        with self._lock:
+            if run_id is None:
+                entries = [e for bucket in self._waiters.values() for e in bucket]
+            else:
+                entries = list(self._waiters.get(run_id, ()))
+        for loop, ev in entries:
+            try:
+                loop.call_soon_threadsafe(ev.set)
+            except RuntimeError:  # the waiter's loop is closed
+                pass
+
+
+# --- workers ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerKey:
+    pid: int
+    target: str
+    schema: str | None
+    options: tuple[tuple[str, Any], ...]
+
+
+class IoWorker:
+    """Base of the per-process, per-database I/O workers."""
+
+    def __init__(self, target: DatabaseTarget, *, schema: str | None, options: dict[str, Any]) -> None:
+        self.target = target
+        self.schema = schema
+        self.options = options
+        self.hub = WaitHub()
+        self.refs = 0
+        self.pid = os.getpid()
+        self.closed = False
+        self._schema_lock = threading.Lock()
+        self._schema_ready: tuple[bool, bool] | None = None  # (auto_migrate, read_only) that succeeded
+
+    @property
+    def dialect(self) -> str:
+        return self.target.dialect
+
+    def submit(self, unit: Unit[T], *, write: bool, deadline_s: float) -> concurrent.futures.Future[T]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def _unavailable(self, exc: BaseException) -> StoreUnavailableError:
+        reason = f"{type(exc).__name__}: {exc}".replace(str(self.target.url), self.target.masked)
+        password = self.target.url.password
+        if password:
+            reason = reason.replace(str(password), "***")
+        return StoreUnavailableError(f"Database {self.target.masked} is unavailable: {reason}")
+
+    def _after_commit(self, ctx: UnitContext) -> None:
+        for run_id, _kind in ctx.events:
+            self.hub.wake(run_id)
+
+
+class SqliteThreadWorker(IoWorker):
+    """One thread owning one stdlib sqlite3 connection; every unit is one transaction on it."""
+
+    def __init__(self, target: DatabaseTarget, *, schema: str | None, options: dict[str, Any]) -> None:
+        super().__init__(target, schema=schema, options=options)
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._engine: Engine | None = None
+        self._data_version: int | None = None
+        self._thread = threading.Thread(
+            target=self._main, name=f"lightning-sql-io[{target.masked}]", daemon=True
+        )
+        self._thread.start()
+
+    def _make_engine(self) -> Engine:
+        busy = float(self.options.get("busy_timeout", SQLITE_BUSY_TIMEOUT_S))
+        database = self.target.path or ":memory:"
+
+        def creator() -> sqlite3.Connection:
+            conn = sqlite3.connect(database, isolation_level=None, check_same_thread=False, timeout=busy)
+            if self.target.kind != "sqlite-memory":
+                conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            conn.execute("PRAGMA foreign_keys=ON")
+            conn.execute(f"PRAGMA busy_timeout={int(busy * 1000)}")
+            return conn
+
+        engine = create_engine(
+            "sqlite://",
+            creator=creator,
+            poolclass=StaticPool,
+            json_serializer=_json_serializer,
+            echo=bool(self.options.get("echo", False)),
+        )
+        return engine
+
+    def submit(self, unit: Unit[T], *, write: bool, deadline_s: float) -> concurrent.futures.Future[T]:
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        if self.closed:
+            fut.set_exception(RuntimeError("The store's I/O thread is closed"))
+            return fut
+        self._queue.put((unit, write, deadline_s, fut))
+        return fut
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._queue.put(None)
+
+    def ensure_schema_locked(self, conn: Connection, *, auto_migrate: bool, read_only: bool) -> None:
+        if self._schema_ready is not None:
+            return
+        lock_file = None
+        try:
+            if self.target.path is not None and not read_only:
+                lock_file = open(self.target.path + ".migrate.lock", "a+")  # noqa: SIM115
+                fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX)
+            conn.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
+            try:
+                migrate.ensure_schema(
+                    conn,
+                    schema=None,
+                    auto_migrate=auto_migrate,
+                    read_only=read_only,
+                    url_for_messages=self.target.masked,
+                )
+                conn.commit()
+            except BaseException:
+                conn.rollback()
+                raise
+            self._schema_ready = (auto_migrate, read_only)
+        finally:
+            if lock_file is not None:
+                fcntl.flock(lock_file.fileno(), fcntl.LOCK_UN)
+                lock_file.close()
+
+    def _main(self) -> None:
+        pending: list[Any] = []
+        while True:
+            try:
+                timeout = SQLITE_DATA_VERSION_POLL_S if self.hub.has_waiters else None
+                item = pending.pop(0) if pending else self._queue.get(timeout=timeout)
+            except queue.Empty:
+                self._poll_data_version()
+                continue
+            if item is None:
+                break
+            unit, write, deadline_s, fut = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                result = self._run_unit(unit, write, deadline_s)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
+            if self.hub.has_waiters:
+                self._poll_data_version()
+        if self._engine is not None:
+            self._engine.dispose()
+
+    def _connection(self) -> Connection:
+        if self._engine is None:
+            self._engine = self._make_engine()
+        return self._engine.connect()
+
+    def _poll_data_version(self) -> None:
+        try:
+            with self._connection() as conn:
+                version = conn.exec_driver_sql("PRAGMA data_version").scalar()
+                conn.rollback()
+        except Exception:  # noqa: BLE001 - a failed poll is retried at the next tick
+            logger.debug("data_version poll failed", exc_info=True)
+            return
+        if self._data_version is not None and version != self._data_version:
+            self.hub.wake(None)
+        self._data_version = version
+
+    def _run_unit(self, unit: Unit[T], write: bool, deadline_s: float) -> T:
+        started = time.monotonic()
+        attempt = 0
+        while True:
+            try:
+                with self._connection() as conn:
+                    if isinstance(unit, SchemaUnit):
+                        self.ensure_schema_locked(conn, auto_migrate=unit.auto_migrate, read_only=unit.read_only)
+                        return None  # type: ignore[return-value]
+                    conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+                    ctx = UnitContext(conn, "sqlite")
+                    try:
+                        result = unit(ctx)
+                        conn.commit()
+                    except BaseException:
+                        conn.rollback()
+                        raise
+                self._after_commit(ctx)
+                return result
+            except BaseException as exc:
+                kind = classify_error(exc)
+                if kind == "unavailable":
+                    raise self._unavailable(exc) from exc
+                if kind != "transient":
+                    raise
+                if time.monotonic() - started > deadline_s:
+                    raise self._unavailable(exc) from exc
+                time.sleep(_backoff(attempt))
+                attempt += 1
+
+
+@dataclass(frozen=True)
+class SchemaUnit:
+    """Marker unit: make sure the schema exists and is current (run once per worker)."""
+
+    auto_migrate: bool
+    read_only: bool
+
+    def __call__(self, ctx: UnitContext) -> None:  # pragma: no cover - handled by the workers
+        raise NotImplementedError
+
+
+class AsyncLoopWorker(IoWorker):
+    """A thread running its own event loop that owns an async engine (asyncpg or aiosqlite)."""
+
+    def __init__(self, target: DatabaseTarget, *, schema: str | None, options: dict[str, Any]) -> None:
+        super().__init__(target, schema=schema, options=options)
+        self._loop = asyncio.new_event_loop()
+        self._engine: AsyncEngine | None = None
+        self._serial: asyncio.Lock | None = None  # aiosqlite: one writer at a time
+        self._listener: Any = None
+        self._listener_task: asyncio.Task[None] | None = None
+        self._schema_alock: asyncio.Lock | None = None
+        self._thread = threading.Thread(
+            target=self._main, name=f"lightning-sql-io[{target.masked}]", daemon=True
+        )
+        self._thread.start()
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_forever()
+
+    def _make_engine(self) -> AsyncEngine:
+        opts = dict(self.options)
+        echo = bool(opts.pop("echo", False))
+        if self.target.kind == "postgresql":
+            kwargs: dict[str, Any] = {
+                "pool_size": opts.pop("pool_size", PG_POOL_SIZE),
+                "max_overflow": opts.pop("max_overflow", PG_MAX_OVERFLOW),
+                "pool_pre_ping": opts.pop("pool_pre_ping", True),
+            }
+            for key in ("pool_timeout", "pool_recycle", "connect_args"):
+                if key in opts:
+                    kwargs[key] = opts.pop(key)
+            engine = create_async_engine(
+                self.target.url, json_serializer=_json_serializer, echo=echo, **kwargs
+            )
+            if self.schema is not None:
+                engine = engine.execution_options(schema_translate_map={None: self.schema})
+            return engine
+        busy = float(opts.pop("busy_timeout", SQLITE_BUSY_TIMEOUT_S))
+        engine = create_async_engine(
+            self.target.url,
+            json_serializer=_json_serializer,
+            echo=echo,
+            poolclass=StaticPool,
+            connect_args={"timeout": busy, "isolation_level": None},
+        )
+
+        @event.listens_for(engine.sync_engine, "connect")
+        def _pragmas(dbapi_conn: Any, _record: Any) -> None:
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA synchronous=NORMAL")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.execute(f"PRAGMA busy_timeout={int(busy * 1000)}")
+            cur.close()
+
+        return engine
+
+    def submit(self, unit: Unit[T], *, write: bool, deadline_s: float) -> concurrent.futures.Future[T]:
+        if self.closed:
+            fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+            fut.set_exception(RuntimeError("The store's I/O thread is closed"))
+            return fut
+        return asyncio.run_coroutine_threadsafe(self._run_unit(unit, write, deadline_s), self._loop)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+
+        async def shutdown() -> None:
+            if self._listener_task is not None:
+                self._listener_task.cancel()
+            if self._listener is not None:
+                try:
+                    await self._listener.close(timeout=2)
+                except Exception:  # noqa: BLE001
+                    pass
+            if self._engine is not None:
+                await self._engine.dispose()
+
+        try:
+            asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout=5)
+        except Exception:  # noqa: BLE001 - best effort at shutdown
+            logger.debug("I/O worker shutdown failed", exc_info=True)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+
+    async def _ensure_schema(self, unit: SchemaUnit) -> None:
+        if self._schema_alock is None:
+            self._schema_alock = asyncio.Lock()
+        async with self._schema_alock:
+            if self._schema_ready is not None:
+                return
+            assert self._engine is not None
+            if self.target.kind == "aiosqlite" and self.target.path is not None and not unit.read_only:
+                lock_file = open(self.target.path + ".migrate.lock", "a+")  # noqa: SIM115
+                await asyncio.to_thread(fcntl.flock, lock_file.fileno(), fcntl.LOCK_EX)
+            else:
+                lock_file = None
+            try:
+                async with self._engine.connect() as aconn:
+                    if self.target.kind == "aiosqlite":
+                        await aconn.exec_driver_sql("BEGIN" if unit.read_only else "BEGIN IMMEDIATE")
+                    await aconn.run_sync(
+                        lambda conn: migrate.ensure_schema(
+                            conn,
+                            schema=self.schema,
+                            auto_migrate=unit.auto_migrate,
+                            read_only=unit.read_only,
+                            url_for_messages=self.target.masked,
+                        )
+                    )
+                    await aconn.commit()
+            finally:
+                if lock_file is not None:
+                    fcntl.flock(lock_file.fileno(), fcntl.LOCK_UN)
+                    lock_file.close()
+            self._schema_ready = (unit.auto_migrate, unit.read_only)
+            if self.target.kind == "postgresql":
+                self._listener_task = asyncio.get_running_loop().create_task(self._listen_forever())
+
+    async def _run_unit(self, unit: Unit[T], write: bool, deadline_s: float) -> T:
+        if self._engine is None:
+            self._engine = self._make_engine()
+            if self.target.kind == "aiosqlite":
+                self._serial = asyncio.Lock()
+        started = time.monotonic()
+        attempt = 0
+        while True:
+            try:
+                if isinstance(unit, SchemaUnit):
+                    await self._ensure_schema(unit)
+                    return None  # type: ignore[return-value]
+                if self._serial is not None:
+                    async with self._serial:
+                        return await self._once(unit, write)
+                return await self._once(unit, write)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:
+                kind = classify_error(exc)
+                if kind == "unavailable":
+                    raise self._unavailable(exc) from exc
+                if kind != "transient":
+                    raise
+                if time.monotonic() - started > deadline_s:
+                    raise self._unavailable(exc) from exc
+                await asyncio.sleep(_backoff(attempt))
+                attempt += 1
+
+    async def _once(self, unit: Unit[T], write: bool) -> T:
+        assert self._engine is not None
+        dialect = self.dialect
+        async with self._engine.connect() as aconn:
+            if self.target.kind == "aiosqlite":
+                await aconn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+            holder: dict[str, UnitContext] = {}
+
+            def run(conn: Connection) -> T:
+                ctx = UnitContext(conn, dialect)
+                holder["ctx"] = ctx
+                result = unit(ctx)
+                if dialect == "postgresql" and ctx.events:
+                    for run_id, kind in sorted(ctx.events):
+                        conn.execute(
+                            text("SELECT pg_notify(:channel, :payload)"),
+                            {"channel": NOTIFY_CHANNEL, "payload": f"{run_id}:{kind}"},
+                        )
+                return result
+
+            try:
+                result = await aconn.run_sync(run)
+                await aconn.commit()
+            except BaseException:
+                await aconn.rollback()
+                raise
+        self._after_commit(holder["ctx"])
+        return result
+
+    # --- LISTEN/NOTIFY ------------------------------------------------------------------------
+
+    async def _listen_forever(self) -> None:
+        import asyncpg
+
+        dsn = self.target.url.set(drivername="postgresql").render_as_string(hide_password=False)
+        while not self.closed:
+            try:
+                conn = await asyncpg.connect(dsn)
+                self._listener = conn
+
+                def on_notify(_conn: Any, _pid: int, _channel: str, payload: str) -> None:
+                    run_part = payload.split(":", 1)[0]
+                    try:
+                        self.hub.wake(int(run_part))
+                    except ValueError:
+                        self.hub.wake(None)
+
+                await conn.add_listener(NOTIFY_CHANNEL, on_notify)
+                self.hub.wake(None)  # (re)connected: every waiter re-reads
+                while not conn.is_closed() and not self.closed:
+                    await asyncio.sleep(PG_LISTEN_RECONNECT_S)
+                    try:
+                        await conn.execute("SELECT 1")
+                    except Exception:  # noqa: BLE001
+                        break
+            except asyncio.CancelledError:
+                return
+            except Exception:  # noqa: BLE001 - the polling fallback covers the gap
+                logger.debug("LISTEN connection failed; retrying", exc_info=True)
+            finally:
+                if self._listener is not None:
+                    try:
+                        self._listener.terminate()
+                    except Exception:  # noqa: BLE001
+                        pass
+                    self._listener = None
+            await asyncio.sleep(PG_LISTEN_RECONNECT_S)
+
+
+# --- the per-process registry -----------------------------------------------------------------
+
+_registry_lock = threading.Lock()
+_registry: dict[WorkerKey, IoWorker] = {}
+
+
+def acquire_worker(target: DatabaseTarget, *, schema: str | None, options: dict[str, Any]) -> IoWorker:
+    """The I/O worker of this process for ``target`` (created on first use; refcounted)."""
+    pid = os.getpid()
+    with _registry_lock:
+        if target.kind != "sqlite-memory":
+            key = WorkerKey(pid, str(target.url), schema, tuple(sorted((k, repr(v)) for k, v in options.items())))
+            worker = _registry.get(key)
+            if worker is not None and not worker.closed:
+                worker.refs += 1
+                return worker
+        worker_cls = AsyncLoopWorker if target.kind in ("postgresql", "aiosqlite") else SqliteThreadWorker
+        worker = worker_cls(target, schema=schema, options=options)
+        worker.refs = 1
+        if target.kind != "sqlite-memory":
+            _registry[key] = worker
+        return worker
+
+
+def release_worker(worker: IoWorker) -> None:
+    """Drop one reference; the last one closes the worker's thread and connections."""
+    with _registry_lock:
+        worker.refs -= 1
+        if worker.refs > 0:
+            return
+        for key, value in list(_registry.items()):
+            if value is worker:
+                del _registry[key]
+    if worker.pid == os.getpid():
+        worker.close()
+
+
+def _close_all() -> None:
+    with _registry_lock:
+        workers = [w for w in _registry.values() if w.pid == os.getpid()]
+        _registry.clear()
+    for worker in workers:
+        worker.close()
+
+
+def _after_fork_in_child() -> None:
+    # Inherited threads do not exist in the child and the connections belong to the parent: forget
+    # them without closing them.
+    global _registry_lock
+    _registry_lock = threading.Lock()
+    _registry.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+import atexit  # noqa: E402
+
+atexit.register(_close_all)

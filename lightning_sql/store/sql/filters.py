@@ -1,0 +1,177 @@
+"""Query filters, sorting and pagination compiled to SQL (contract §1.12, §1.13, §2.11).
+
+Sorting and filtering only ever name columns from the allow-lists below: a caller's field name is
+looked up, never spliced into SQL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import ColumnElement, Table, and_, case, false, func, literal, or_, true
+
+from lightning_sql.store.sql import schema as s
+
+
+@dataclass(frozen=True)
+class SortSpec:
+    """The sortable scalar fields of one model and the fields that exist but cannot be sorted on."""
+
+    model: str
+    table: Table
+    scalar: dict[str, str]  # field name -> kind: "str" | "int" | "float" | "time"
+    non_scalar: frozenset[str]
+    base_order: tuple[str, ...]  # columns giving insertion order (ties)
+
+
+ROLLOUT_SORT = SortSpec(
+    "Rollout",
+    s.rollouts,
+    {
+        "rollout_id": "str",
+        "start_time": "time",
+        "end_time": "time",
+        "mode": "str",
+        "resources_id": "str",
+        "status": "str",
+        "resources_version": "int",
+        "idempotency_key": "str",
+    },
+    frozenset({"input", "config", "metadata", "attempt"}),
+    ("create_seq",),
+)
+ATTEMPT_SORT = SortSpec(
+    "Attempt",
+    s.attempts,
+    {
+        "rollout_id": "str",
+        "attempt_id": "str",
+        "sequence_id": "int",
+        "start_time": "time",
+        "end_time": "time",
+        "status": "str",
+        "worker_id": "str",
+        "last_heartbeat_time": "time",
+    },
+    frozenset({"metadata"}),
+    ("sequence_id",),
+)
+SPAN_SORT = SortSpec(
+    "Span",
+    s.spans,
+    {
+        "rollout_id": "str",
+        "attempt_id": "str",
+        "sequence_id": "int",
+        "trace_id": "str",
+        "span_id": "str",
+        "parent_id": "str",
+        "name": "str",
+        "start_time": "time",
+        "end_time": "time",
+    },
+    frozenset({"status", "attributes", "events", "links", "context", "parent", "resource"}),
+    ("id",),
+)
+RESOURCES_SORT = SortSpec(
+    "ResourcesUpdate",
+    s.resources,
+    {"resources_id": "str", "create_time": "time", "update_time": "time", "version": "int"},
+    frozenset({"resources"}),
+    ("create_seq",),
+)
+WORKER_SORT = SortSpec(
+    "Worker",
+    s.workers,
+    {
+        "worker_id": "str",
+        "status": "str",
+        "last_heartbeat_time": "time",
+        "last_dequeue_time": "time",
+        "last_busy_time": "time",
+        "last_idle_time": "time",
+        "current_rollout_id": "str",
+        "current_attempt_id": "str",
+    },
+    frozenset({"heartbeat_stats"}),
+    ("create_seq",),
+)
+
+_NULL_AS = {"str": "", "int": 0, "float": 0.0}
+
+
+def check_sort(spec: SortSpec, sort_by: str | None, sort_order: str) -> None:
+    """Raise the contract's ``ValueError`` for an unknown or non-scalar field or a bad order."""
+    if sort_order not in ("asc", "desc"):
+        raise ValueError(f"sort_order must be 'asc' or 'desc', got {sort_order!r}")
+    if sort_by is None:
+        return
+    if not isinstance(sort_by, str) or (sort_by not in spec.scalar and sort_by not in spec.non_scalar):
+        raise ValueError(f"Failed to sort items by '{sort_by}': field does not exist on {spec.model}")
+    if sort_by in spec.non_scalar:
+        raise ValueError(
+            f"Failed to sort items by '{sort_by}': field is not a scalar field of {spec.model} and cannot be sorted"
+        )
+
+
+def order_by(spec: SortSpec, sort_by: str | None, sort_order: str) -> list[Any]:
+    """ORDER BY clauses: the key with the contract's NULL placement, then insertion order (asc)."""
+    base = [spec.table.c[name].asc() for name in spec.base_order]
+    if sort_by is None:
+        return base
+    column = spec.table.c[sort_by]
+    kind = spec.scalar[sort_by]
+    desc = sort_order == "desc"
+    if kind == "time":
+        # NULL sorts as +infinity: last in asc, first in desc.
+        is_null = case((column.is_(None), 1), else_=0)
+        keys = [is_null.desc(), column.desc()] if desc else [is_null.asc(), column.asc()]
+    else:
+        key = func.coalesce(column, literal(_NULL_AS[kind]))
+        keys = [key.desc() if desc else key.asc()]
+    return keys + base
+
+
+def check_pagination(limit: int, offset: int) -> None:
+    if isinstance(limit, bool) or not isinstance(limit, int):
+        raise TypeError(f"limit must be an int, got {limit!r}")
+    if isinstance(offset, bool) or not isinstance(offset, int):
+        raise TypeError(f"offset must be an int, got {offset!r}")
+    if limit < -1:
+        raise ValueError(f"limit must be -1 (unlimited) or >= 0, got {limit}")
+    if offset < 0:
+        raise ValueError(f"offset must be >= 0, got {offset}")
+
+
+def check_logic(filter_logic: str) -> None:
+    if filter_logic not in ("and", "or"):
+        raise ValueError(f"filter_logic must be 'and' or 'or', got {filter_logic!r}")
+
+
+def within(column: Any, values: Sequence[Any]) -> ColumnElement[bool]:
+    """Membership; an empty list is always false."""
+    values = list(values)
+    if not values:
+        return false()
+    return column.in_(values)
+
+
+def pool(conditions: list[ColumnElement[bool]], filter_logic: str) -> ColumnElement[bool]:
+    """Reduce the condition pool: AND over nothing is true, OR over nothing is false."""
+    if filter_logic == "or":
+        return or_(false(), *conditions) if conditions else false()
+    return and_(true(), *conditions) if conditions else true()
+
+
+def check_str_list(values: Sequence[Any] | None, name: str) -> list[str] | None:
+    if values is None:
+        return None
+    if isinstance(values, str):
+        raise TypeError(f"{name} must be a list of str, got a str")
+    out = list(values)
+    for value in out:
+        if not isinstance(value, str):
+            raise TypeError(f"{name} must be a list of str, got an element of type {type(value).__name__}")
+    return out

@@ -1,0 +1,636 @@
+"""Units of work for rollouts, the queue, claims and attempts (contract §2.1-§2.8, §2.11).
+
+Every function here is one unit: sync SQLAlchemy Core over ``ctx.conn`` inside the transaction the
+I/O worker opened.  Ids and *now* are decided by the caller before the first try, so a replay after
+a lost commit finds its own rows instead of acting twice (contract §0.3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import and_, func, select, tuple_, update
+
+from lightning_sql.store.sql import dialect as d
+from lightning_sql.store.sql import schema as s
+from lightning_sql.store.sql.engine import EncodedJson, UnitContext
+from lightning_sql.store.sql.rows import (
+    ROLLOUT_COLUMNS,
+    attempt_from_row,
+    attempted,
+    rollout_from_row,
+)
+from lightning_sql.store.sql.workers import sync_worker
+from lightning_sql.types import (
+    FINISHED_STATUSES,
+    QUEUED_STATUSES,
+    Attempt,
+    AttemptedRollout,
+    Rollout,
+    RolloutConfig,
+    rollout_status_from_attempt,
+)
+
+R = s.rollouts
+A = s.attempts
+
+
+@dataclass
+class NewRollout:
+    """A rollout to create, with every value decided before the first try."""
+
+    rollout_id: str
+    input: EncodedJson | None
+    mode: str | None
+    resources_id: str | None
+    config: RolloutConfig
+    metadata: EncodedJson | None
+    idempotency_key: str | None
+    # The decoded values, to build the returned model without reading the row back.
+    input_value: Any = None
+    metadata_value: Any = None
+
+
+def _config_values(config: RolloutConfig) -> dict[str, Any]:
+    return {
+        "timeout_seconds": config.timeout_seconds,
+        "unresponsive_seconds": config.unresponsive_seconds,
+        "max_attempts": config.max_attempts,
+        "retry_condition": EncodedJson(_retry_json(config.retry_condition)),
+    }
+
+
+def _retry_json(statuses: Sequence[str]) -> str:
+    return "[" + ",".join(f'"{status}"' for status in statuses) + "]"
+
+
+def latest_resources(ctx: UnitContext, run_id: int) -> tuple[str | None, int | None]:
+    row = ctx.conn.execute(
+        select(s.resources.c.resources_id, s.resources.c.version)
+        .where(s.resources.c.run_id == run_id)
+        .order_by(s.resources.c.touch_seq.desc())
+        .limit(1)
+    ).first()
+    return (row[0], row[1]) if row is not None else (None, None)
+
+
+def resource_versions(ctx: UnitContext, run_id: int, ids: set[str]) -> dict[str, int]:
+    if not ids:
+        return {}
+    rows = ctx.conn.execute(
+        select(s.resources.c.resources_id, s.resources.c.version).where(
+            s.resources.c.run_id == run_id, s.resources.c.resources_id.in_(sorted(ids))
+        )
+    ).all()
+    return {r[0]: r[1] for r in rows}
+
+
+def _resolve_resources(ctx: UnitContext, run_id: int, items: Sequence[NewRollout]) -> list[tuple[str | None, int | None]]:
+    latest: tuple[str | None, int | None] | None = None
+    if any(item.resources_id is None for item in items):
+        latest = latest_resources(ctx, run_id)
+    versions = resource_versions(ctx, run_id, {i.resources_id for i in items if i.resources_id is not None})
+    out: list[tuple[str | None, int | None]] = []
+    for item in items:
+        if item.resources_id is None:
+            assert latest is not None
+            out.append(latest)
+        else:
+            out.append((item.resources_id, versions.get(item.resources_id)))
+    return out
+
+
+def _fetch_rollouts(ctx: UnitContext, run_id: int, where: Any) -> list[Any]:
+    return list(ctx.conn.execute(select(*ROLLOUT_COLUMNS).where(R.c.run_id == run_id, where)).all())
+
+
+def enqueue(ctx: UnitContext, run_id: int, now: float, items: Sequence[NewRollout]) -> list[Rollout]:
+    """Queue new rollouts in request order; known idempotency keys return the existing rollout."""
+    if not items:
+        return []
+    keys = sorted({i.idempotency_key for i in items if i.idempotency_key is not None})
+    by_key: dict[str, Rollout] = {}
+    if keys:
+        for row in _fetch_rollouts(ctx, run_id, R.c.idempotency_key.in_(keys)):
+            by_key[row.idempotency_key] = rollout_from_row(row)
+    # A replay after a lost commit: our pre-generated ids may already exist.
+    mine = {r.rollout_id: r for r in map(rollout_from_row, _fetch_rollouts(ctx, run_id, R.c.rollout_id.in_([i.rollout_id for i in items])))}
+
+    fresh: list[NewRollout] = []
+    seen_keys: set[str] = set()
+    for item in items:
+        if item.rollout_id in mine:
+            continue
+        key = item.idempotency_key
+        if key is not None and (key in by_key or key in seen_keys):
+            continue
+        if key is not None:
+            seen_keys.add(key)
+        fresh.append(item)
+
+    created: dict[str, Rollout] = {}
+    if fresh:
+        resolved = _resolve_resources(ctx, run_id, fresh)
+        positions = d.allocate_positions(ctx, run_id, len(fresh))
+        params = []
+        for item, (rid, version), pos in zip(fresh, resolved, positions, strict=True):
+            params.append(
+                {
+                    "run_id": run_id,
+                    "rollout_id": item.rollout_id,
+                    "input": item.input,
+                    "mode": item.mode,
+                    "resources_id": rid,
+                    "resources_version": version,
+                    "status": "queuing",
+                    **_config_values(item.config),
+                    "metadata": item.metadata,
+                    "idempotency_key": item.idempotency_key,
+                    "start_time": now,
+                    "end_time": None,
+                    "queue_seq": pos,
+                    "create_seq": pos,
+                }
+            )
+        inserted = {
+            row[0]
+            for row in ctx.conn.execute(
+                d.insert(ctx, R).on_conflict_do_nothing().returning(R.c.rollout_id, sort_by_parameter_order=True),
+                params,
+            )
+        }
+        for item, p in zip(fresh, params, strict=True):
+            if item.rollout_id in inserted:
+                created[item.rollout_id] = Rollout.model_construct(
+                    rollout_id=item.rollout_id,
+                    input=item.input_value,
+                    start_time=now,
+                    end_time=None,
+                    mode=item.mode,
+                    resources_id=p["resources_id"],
+                    status="queuing",
+                    config=item.config.model_copy(deep=True),
+                    metadata=item.metadata_value,
+                    resources_version=p["resources_version"],
+                    idempotency_key=item.idempotency_key,
+                )
+        if inserted:
+            ctx.announce(run_id, "queued")
+        if len(inserted) < len(fresh):
+            # A concurrent enqueue took some keys first: read what it created.
+            missing = [i.idempotency_key for i in fresh if i.rollout_id not in inserted and i.idempotency_key]
+            for row in _fetch_rollouts(ctx, run_id, R.c.idempotency_key.in_(missing)):
+                by_key[row.idempotency_key] = rollout_from_row(row)
+
+    out: list[Rollout] = []
+    for item in items:
+        if item.rollout_id in mine:
+            out.append(mine[item.rollout_id])
+        elif item.rollout_id in created:
+            out.append(created[item.rollout_id])
+        else:
+            assert item.idempotency_key is not None
+            out.append(by_key[item.idempotency_key])
+    return out
+
+
+def start_rollout(
+    ctx: UnitContext, run_id: int, now: float, item: NewRollout, attempt_id: str, worker_id: str | None
+) -> AttemptedRollout:
+    """Create a rollout with its first attempt, both ``preparing``, outside the queue."""
+    existing = _fetch_rollouts(ctx, run_id, R.c.rollout_id == item.rollout_id)
+    if existing:  # replay after a lost commit
+        attempt = _attempt(ctx, run_id, item.rollout_id, attempt_id)
+        assert attempt is not None
+        result = attempted(existing[0], attempt)
+        assert isinstance(result, AttemptedRollout)
+        return result
+    (rid, version), = _resolve_resources(ctx, run_id, [item])
+    (pos,) = d.allocate_positions(ctx, run_id, 1)
+    ctx.conn.execute(
+        R.insert().values(
+            run_id=run_id,
+            rollout_id=item.rollout_id,
+            input=item.input,
+            mode=item.mode,
+            resources_id=rid,
+            resources_version=version,
+            status="preparing",
+            **_config_values(item.config),
+            metadata=item.metadata,
+            idempotency_key=None,
+            start_time=now,
+            queue_seq=None,
+            create_seq=pos,
+            attempt_count=1,
+        )
+    )
+    ctx.conn.execute(
+        A.insert().values(
+            run_id=run_id,
+            rollout_id=item.rollout_id,
+            attempt_id=attempt_id,
+            sequence_id=1,
+            status="preparing",
+            worker_id=worker_id,
+            start_time=now,
+        )
+    )
+    if worker_id is not None:
+        sync_worker(ctx, run_id, now, worker_id, "preparing", item.rollout_id, attempt_id, claim=False)
+    attempt = Attempt.model_construct(
+        rollout_id=item.rollout_id,
+        attempt_id=attempt_id,
+        sequence_id=1,
+        start_time=now,
+        end_time=None,
+        status="preparing",
+        worker_id=worker_id,
+        last_heartbeat_time=None,
+        metadata=None,
+    )
+    return AttemptedRollout.model_construct(
+        rollout_id=item.rollout_id,
+        input=item.input_value,
+        start_time=now,
+        end_time=None,
+        mode=item.mode,
+        resources_id=rid,
+        status="preparing",
+        config=item.config.model_copy(deep=True),
+        metadata=item.metadata_value,
+        resources_version=version,
+        idempotency_key=None,
+        attempt=attempt,
+    )
+
+
+def _attempt(ctx: UnitContext, run_id: int, rollout_id: str, attempt_id: str) -> Attempt | None:
+    row = ctx.conn.execute(
+        select(A).where(A.c.run_id == run_id, A.c.rollout_id == rollout_id, A.c.attempt_id == attempt_id)
+    ).first()
+    return attempt_from_row(row) if row is not None else None
+
+
+def claim(
+    ctx: UnitContext, run_id: int, now: float, attempt_ids: Sequence[str], worker_id: str | None
+) -> list[AttemptedRollout]:
+    """Claim up to ``len(attempt_ids)`` queued rollouts in queue order (one transaction)."""
+    limit = len(attempt_ids)
+    out: list[AttemptedRollout] = []
+    if limit > 0:
+        out = _replayed_claim(ctx, run_id, attempt_ids)
+        if not out:
+            out = _claim_fresh(ctx, run_id, now, attempt_ids, worker_id)
+    if worker_id is not None:
+        if out:
+            last = out[-1]
+            sync_worker(ctx, run_id, now, worker_id, "preparing", last.rollout_id, last.attempt.attempt_id, claim=True)
+        else:
+            mark_idle_on_empty_queue(ctx, run_id, now, worker_id)
+    return out
+
+
+def _replayed_claim(ctx: UnitContext, run_id: int, attempt_ids: Sequence[str]) -> list[AttemptedRollout]:
+    rows = ctx.conn.execute(
+        select(A).where(A.c.run_id == run_id, A.c.attempt_id.in_(list(attempt_ids)))
+    ).all()
+    if not rows:
+        return []
+    attempts = {row.rollout_id: attempt_from_row(row) for row in rows}
+    order = {aid: i for i, aid in enumerate(attempt_ids)}
+    result = []
+    for row in _fetch_rollouts(ctx, run_id, R.c.rollout_id.in_(sorted(attempts))):
+        ar = attempted(row, attempts[row.rollout_id])
+        assert isinstance(ar, AttemptedRollout)
+        result.append(ar)
+    result.sort(key=lambda ar: order[ar.attempt.attempt_id])
+    return result
+
+
+def _claim_fresh(
+    ctx: UnitContext, run_id: int, now: float, attempt_ids: Sequence[str], worker_id: str | None
+) -> list[AttemptedRollout]:
+    picked = d.for_update(
+        ctx,
+        select(R.c.rollout_id)
+        .where(R.c.run_id == run_id, R.c.queue_seq.isnot(None))
+        .order_by(R.c.queue_seq)
+        .limit(len(attempt_ids)),
+        skip_locked=True,
+    )
+    ids = [row[0] for row in ctx.conn.execute(picked)]
+    if not ids:
+        return []
+    rows = ctx.conn.execute(
+        update(R)
+        .where(R.c.run_id == run_id, R.c.rollout_id.in_(ids))
+        .values(status="preparing", queue_seq=None, attempt_count=R.c.attempt_count + 1)
+        .returning(*ROLLOUT_COLUMNS, R.c.attempt_count)
+    ).all()
+    by_id = {row.rollout_id: row for row in rows}
+    attempt_rows = []
+    result: list[AttemptedRollout] = []
+    for rid, aid in zip(ids, attempt_ids, strict=False):
+        row = by_id[rid]
+        attempt_rows.append(
+            {
+                "run_id": run_id,
+                "rollout_id": rid,
+                "attempt_id": aid,
+                "sequence_id": row.attempt_count,
+                "status": "preparing",
+                "worker_id": worker_id,
+                "start_time": now,
+            }
+        )
+        attempt = Attempt.model_construct(
+            rollout_id=rid,
+            attempt_id=aid,
+            sequence_id=row.attempt_count,
+            start_time=now,
+            end_time=None,
+            status="preparing",
+            worker_id=worker_id,
+            last_heartbeat_time=None,
+            metadata=None,
+        )
+        ar = attempted(row, attempt)
+        assert isinstance(ar, AttemptedRollout)
+        result.append(ar)
+    ctx.conn.execute(A.insert(), attempt_rows)
+    return result
+
+
+def mark_idle_on_empty_queue(ctx: UnitContext, run_id: int, now: float, worker_id: str) -> None:
+    """A worker that found nothing to claim: idle (unless already idle), ``last_dequeue_time = now``."""
+    W = s.workers
+    stmt = d.insert(ctx, W).values(
+        run_id=run_id,
+        worker_id=worker_id,
+        status="idle",
+        last_idle_time=now,
+        last_dequeue_time=now,
+        create_seq=d.position_expr(ctx, run_id),
+    )
+    excluded = stmt.excluded
+    stmt = stmt.on_conflict_do_update(
+        index_elements=[W.c.run_id, W.c.worker_id],
+        set_={
+            "last_dequeue_time": excluded.last_dequeue_time,
+            "last_idle_time": func.coalesce(
+                _case_idle(W.c.status, W.c.last_idle_time, excluded.last_idle_time), excluded.last_idle_time
+            ),
+            "status": excluded.status,
+        },
+    )
+    ctx.conn.execute(stmt)
+
+
+def _case_idle(status: Any, current: Any, new: Any) -> Any:
+    from sqlalchemy import case
+
+    return case((status == "idle", current), else_=new)
+
+
+def lock_rollout(ctx: UnitContext, run_id: int, rollout_id: str) -> Any:
+    """The rollout row, locked for the rest of the unit (PostgreSQL), or None."""
+    return ctx.conn.execute(
+        d.for_update(ctx, select(*ROLLOUT_COLUMNS, R.c.attempt_count, R.c.queue_seq).where(
+            R.c.run_id == run_id, R.c.rollout_id == rollout_id
+        ))
+    ).first()
+
+
+def start_attempt(
+    ctx: UnitContext, run_id: int, now: float, rollout_id: str, attempt_id: str, worker_id: str | None
+) -> AttemptedRollout:
+    row = lock_rollout(ctx, run_id, rollout_id)
+    if row is None:
+        raise ValueError(f"Rollout {rollout_id} not found")
+    existing = _attempt(ctx, run_id, rollout_id, attempt_id)
+    if existing is None:
+        seq = row.attempt_count + 1
+        ctx.conn.execute(
+            update(R)
+            .where(R.c.run_id == run_id, R.c.rollout_id == rollout_id)
+            .values(status="preparing", queue_seq=None, attempt_count=seq)
+        )
+        ctx.conn.execute(
+            A.insert().values(
+                run_id=run_id,
+                rollout_id=rollout_id,
+                attempt_id=attempt_id,
+                sequence_id=seq,
+                status="preparing",
+                worker_id=worker_id,
+                start_time=now,
+            )
+        )
+        if worker_id is not None:
+            sync_worker(ctx, run_id, now, worker_id, "preparing", rollout_id, attempt_id, claim=False)
+        existing = _attempt(ctx, run_id, rollout_id, attempt_id)
+        row = lock_rollout(ctx, run_id, rollout_id)
+    assert existing is not None
+    ar = attempted(row, existing)
+    assert isinstance(ar, AttemptedRollout)
+    return ar
+
+
+def enter_or_leave_queue(
+    ctx: UnitContext, run_id: int, old_status: str, new_status: str, queue_seq: Any
+) -> dict[str, Any]:
+    """The ``queue_seq`` change for a status change (contract §2.1)."""
+    was_queued = old_status in QUEUED_STATUSES
+    is_queued = new_status in QUEUED_STATUSES
+    if is_queued and not was_queued:
+        ctx.announce(run_id, "queued")
+        return {"queue_seq": d.allocate_positions(ctx, run_id, 1)[0]}
+    if is_queued and queue_seq is None:  # repair: a queued row always has a position
+        return {"queue_seq": d.allocate_positions(ctx, run_id, 1)[0]}
+    if was_queued and not is_queued:
+        return {"queue_seq": None}
+    return {}
+
+
+def update_rollout(
+    ctx: UnitContext, run_id: int, now: float, rollout_id: str, changes: dict[str, Any]
+) -> Rollout:
+    row = lock_rollout(ctx, run_id, rollout_id)
+    if row is None:
+        raise ValueError(f"Item does not exist with primary key(s): rollout_id='{rollout_id}'")
+    values: dict[str, Any] = {}
+    for key in ("input", "mode", "metadata"):
+        if key in changes:
+            values[key] = changes[key]
+    if "resources_id" in changes:
+        rid = changes["resources_id"]
+        values["resources_id"] = rid
+        values["resources_version"] = resource_versions(ctx, run_id, {rid}).get(rid) if rid is not None else None
+    if "config" in changes:
+        values.update(_config_values(changes["config"]))
+    if "status" in changes:
+        new_status = changes["status"]
+        values["status"] = new_status
+        if new_status in FINISHED_STATUSES:
+            values["end_time"] = now
+            ctx.announce(run_id, "finished")
+        values.update(enter_or_leave_queue(ctx, run_id, row.status, new_status, row.queue_seq))
+    if values:
+        ctx.conn.execute(update(R).where(R.c.run_id == run_id, R.c.rollout_id == rollout_id).values(**values))
+    new_row = _fetch_rollouts(ctx, run_id, R.c.rollout_id == rollout_id)[0]
+    return rollout_from_row(new_row)
+
+
+def resolve_attempt(ctx: UnitContext, run_id: int, rollout_id: str, attempt_id: str, *, lock: bool) -> tuple[Any, Any]:
+    """(rollout row, attempt row) per the resolution order of contract §2.7, or raise its errors."""
+    if lock:
+        row = lock_rollout(ctx, run_id, rollout_id)
+    else:
+        row = ctx.conn.execute(
+            select(*ROLLOUT_COLUMNS, R.c.attempt_count, R.c.queue_seq).where(
+                R.c.run_id == run_id, R.c.rollout_id == rollout_id
+            )
+        ).first()
+    if row is None:
+        raise ValueError(f"Rollout {rollout_id} not found")
+    if row.attempt_count == 0:
+        raise ValueError(f"No attempts found for rollout {rollout_id}")
+    where = [A.c.run_id == run_id, A.c.rollout_id == rollout_id]
+    if attempt_id == "latest":
+        where.append(A.c.sequence_id == row.attempt_count)
+    else:
+        where.append(A.c.attempt_id == attempt_id)
+    stmt = select(A).where(*where)
+    attempt_row = ctx.conn.execute(d.for_update(ctx, stmt) if lock else stmt).first()
+    if attempt_row is None:
+        if attempt_id == "latest":
+            raise ValueError(f"No attempts found for rollout {rollout_id}")
+        raise ValueError(f"Attempt {attempt_id} not found for rollout {rollout_id}")
+    return row, attempt_row
+
+
+def update_attempt(
+    ctx: UnitContext, run_id: int, now: float, rollout_id: str, attempt_id: str, changes: dict[str, Any]
+) -> Attempt:
+    row, attempt_row = resolve_attempt(ctx, run_id, rollout_id, attempt_id, lock=True)
+    values: dict[str, Any] = {}
+    for key in ("status", "worker_id", "last_heartbeat_time", "metadata"):
+        if key in changes:
+            values[key] = changes[key]
+    if changes.get("status") in ("failed", "succeeded"):
+        values["end_time"] = now
+    aid = attempt_row.attempt_id
+    if values:
+        ctx.conn.execute(
+            update(A).where(A.c.run_id == run_id, A.c.rollout_id == rollout_id, A.c.attempt_id == aid).values(**values)
+        )
+    new_attempt = _attempt(ctx, run_id, rollout_id, aid)
+    assert new_attempt is not None
+    if "status" in changes and attempt_row.sequence_id == row.attempt_count and row.status != "cancelled":
+        config = RolloutConfig.model_construct(
+            timeout_seconds=row.timeout_seconds,
+            unresponsive_seconds=row.unresponsive_seconds,
+            max_attempts=row.max_attempts,
+            retry_condition=list(row.retry_condition or []),
+        )
+        new_status = rollout_status_from_attempt(new_attempt.status, new_attempt.sequence_id, config)
+        if new_status != row.status:
+            rvalues: dict[str, Any] = {"status": new_status}
+            if new_status in FINISHED_STATUSES:
+                rvalues["end_time"] = now
+                ctx.announce(run_id, "finished")
+            rvalues.update(enter_or_leave_queue(ctx, run_id, row.status, new_status, row.queue_seq))
+            ctx.conn.execute(
+                update(R).where(R.c.run_id == run_id, R.c.rollout_id == rollout_id).values(**rvalues)
+            )
+    wid = new_attempt.worker_id
+    if ("worker_id" in changes and changes["worker_id"]) or ("status" in changes and wid):
+        assert wid is not None
+        sync_worker(ctx, run_id, now, wid, new_attempt.status, rollout_id, aid, claim=False)
+    return new_attempt
+
+
+def touch_attempt(ctx: UnitContext, run_id: int, now: float, rollout_id: str, attempt_id: str) -> Attempt:
+    _row, attempt_row = resolve_attempt(ctx, run_id, rollout_id, attempt_id, lock=False)
+    ctx.conn.execute(
+        update(A)
+        .where(A.c.run_id == run_id, A.c.rollout_id == rollout_id, A.c.attempt_id == attempt_row.attempt_id)
+        .values(last_heartbeat_time=now)
+    )
+    attempt = attempt_from_row(attempt_row)
+    attempt.last_heartbeat_time = now
+    return attempt
+
+
+# --- reads --------------------------------------------------------------------------------------
+
+
+def latest_attempts(ctx: UnitContext, run_id: int, rows: Sequence[Any]) -> dict[str, Attempt]:
+    """The latest attempt of each rollout row (one query for all of them)."""
+    pairs = [(row.rollout_id, row.attempt_count) for row in rows if row.attempt_count > 0]
+    if not pairs:
+        return {}
+    out: dict[str, Attempt] = {}
+    # Chunked so a page of thousands of rollouts stays within driver parameter limits.
+    for start in range(0, len(pairs), 500):
+        chunk = pairs[start : start + 500]
+        result = ctx.conn.execute(
+            select(A).where(A.c.run_id == run_id, tuple_(A.c.rollout_id, A.c.sequence_id).in_(chunk))
+        )
+        for arow in result:
+            out[arow.rollout_id] = attempt_from_row(arow)
+    return out
+
+
+def with_latest_attempts(ctx: UnitContext, run_id: int, rows: Sequence[Any]) -> list[Rollout | AttemptedRollout]:
+    attempts = latest_attempts(ctx, run_id, rows)
+    return [attempted(row, attempts.get(row.rollout_id)) for row in rows]
+
+
+def get_rollout(ctx: UnitContext, run_id: int, rollout_id: str) -> Rollout | AttemptedRollout | None:
+    rows = ctx.conn.execute(
+        select(*ROLLOUT_COLUMNS, R.c.attempt_count).where(R.c.run_id == run_id, R.c.rollout_id == rollout_id)
+    ).all()
+    if not rows:
+        return None
+    return with_latest_attempts(ctx, run_id, rows)[0]
+
+
+def get_latest_attempt(ctx: UnitContext, run_id: int, rollout_id: str) -> Attempt | None:
+    row = ctx.conn.execute(
+        select(A)
+        .where(A.c.run_id == run_id, A.c.rollout_id == rollout_id)
+        .order_by(A.c.sequence_id.desc())
+        .limit(1)
+    ).first()
+    return attempt_from_row(row) if row is not None else None
+
+
+def finished_rollouts(ctx: UnitContext, run_id: int, rollout_ids: Sequence[str]) -> tuple[list[Rollout], int]:
+    """(finished rollouts among the ids, number of ids that exist)."""
+    rows = ctx.conn.execute(
+        select(*ROLLOUT_COLUMNS).where(R.c.run_id == run_id, R.c.rollout_id.in_(sorted(set(rollout_ids))))
+    ).all()
+    finished = {row.rollout_id: rollout_from_row(row) for row in rows if row.status in FINISHED_STATUSES}
+    return [finished[rid] for rid in dict.fromkeys(rollout_ids) if rid in finished], len(rows)
+
+
+def queue_depth(ctx: UnitContext, run_id: int) -> int:
+    return int(
+        ctx.conn.execute(
+            select(func.count()).select_from(R).where(R.c.run_id == run_id, R.c.queue_seq.isnot(None))
+        ).scalar_one()
+    )
+
+
+def has_queued(ctx: UnitContext, run_id: int) -> bool:
+    row = ctx.conn.execute(
+        select(R.c.queue_seq).where(R.c.run_id == run_id, R.c.queue_seq.isnot(None)).limit(1)
+    ).first()
+    return row is not None
+
+
+_ = and_

@@ -1,0 +1,190 @@
+"""Rows to models and models to rows.
+
+Rows the store wrote itself are trusted, so rollouts, attempts and workers are rebuilt with
+``model_construct`` (no validation on the read hot path); resources and spans go through
+``model_validate`` because their concrete classes (resource kinds, span extras) must be
+re-materialised.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import Row
+
+from lightning_sql.store.sql import schema as s
+from lightning_sql.store.sql.engine import EncodedJson
+from lightning_sql.types import (
+    Attempt,
+    AttemptedRollout,
+    ResourcesUpdate,
+    Rollout,
+    RolloutConfig,
+    Run,
+    Span,
+    Worker,
+    check_text,
+    encode_json,
+)
+
+ROLLOUT_COLUMNS = [c for c in s.rollouts.c if c.name not in ("run_id", "queue_seq", "span_seq", "attempt_count")]
+ATTEMPT_COLUMNS = [c for c in s.attempts.c if c.name != "run_id"]
+WORKER_COLUMNS = [c for c in s.workers.c if c.name not in ("run_id",)]
+SPAN_COLUMNS = [c for c in s.spans.c if c.name not in ("run_id", "id")]
+RESOURCES_COLUMNS = [c for c in s.resources.c if c.name not in ("run_id",)]
+
+
+def encoded(value: Any, field: str, *, allow_models: bool = False) -> EncodedJson | None:
+    """Validate and encode a JSON value once; the engine passes the text through unchanged."""
+    text = encode_json(value, field, allow_models=allow_models)
+    return None if text is None else EncodedJson(text)
+
+
+def config_from(m: Any) -> RolloutConfig:
+    return RolloutConfig.model_construct(
+        timeout_seconds=m["timeout_seconds"],
+        unresponsive_seconds=m["unresponsive_seconds"],
+        max_attempts=m["max_attempts"],
+        retry_condition=list(m["retry_condition"] or []),
+    )
+
+
+def rollout_fields(m: Any) -> dict[str, Any]:
+    return {
+        "rollout_id": m["rollout_id"],
+        "input": m["input"],
+        "start_time": m["start_time"],
+        "end_time": m["end_time"],
+        "mode": m["mode"],
+        "resources_id": m["resources_id"],
+        "status": m["status"],
+        "config": config_from(m),
+        "metadata": m["metadata"],
+        "resources_version": m["resources_version"],
+        "idempotency_key": m["idempotency_key"],
+    }
+
+
+def rollout_from_row(row: Row[Any] | Any) -> Rollout:
+    return Rollout.model_construct(**rollout_fields(row._mapping if isinstance(row, Row) else row))
+
+
+def attempt_from_row(row: Row[Any] | Any) -> Attempt:
+    m = row._mapping if isinstance(row, Row) else row
+    return Attempt.model_construct(
+        rollout_id=m["rollout_id"],
+        attempt_id=m["attempt_id"],
+        sequence_id=m["sequence_id"],
+        start_time=m["start_time"],
+        end_time=m["end_time"],
+        status=m["status"],
+        worker_id=m["worker_id"],
+        last_heartbeat_time=m["last_heartbeat_time"],
+        metadata=m["metadata"],
+    )
+
+
+def attempted(rollout_row: Any, attempt: Attempt | None) -> Rollout | AttemptedRollout:
+    m = rollout_row._mapping if isinstance(rollout_row, Row) else rollout_row
+    if attempt is None:
+        return Rollout.model_construct(**rollout_fields(m))
+    return AttemptedRollout.model_construct(**rollout_fields(m), attempt=attempt)
+
+
+def worker_from_row(row: Row[Any] | Any) -> Worker:
+    m = row._mapping if isinstance(row, Row) else row
+    return Worker.model_construct(
+        worker_id=m["worker_id"],
+        status=m["status"],
+        heartbeat_stats=m["heartbeat_stats"],
+        last_heartbeat_time=m["last_heartbeat_time"],
+        last_dequeue_time=m["last_dequeue_time"],
+        last_busy_time=m["last_busy_time"],
+        last_idle_time=m["last_idle_time"],
+        current_rollout_id=m["current_rollout_id"],
+        current_attempt_id=m["current_attempt_id"],
+    )
+
+
+def resources_from_row(row: Row[Any] | Any) -> ResourcesUpdate:
+    m = row._mapping if isinstance(row, Row) else row
+    return ResourcesUpdate.model_validate(
+        {
+            "resources_id": m["resources_id"],
+            "create_time": m["create_time"],
+            "update_time": m["update_time"],
+            "version": m["version"],
+            "resources": m["resources"],
+        }
+    )
+
+
+def run_from_row(row: Row[Any] | Any) -> Run:
+    m = row._mapping if isinstance(row, Row) else row
+    return Run(
+        name=m["name"],
+        status=m["status"],
+        created_at=m["created_at"],
+        finished_at=m["finished_at"],
+        metadata=m["metadata"],
+    )
+
+
+# --- spans ------------------------------------------------------------------------------------
+
+_SPAN_COLUMN_FIELDS = (
+    "rollout_id",
+    "attempt_id",
+    "sequence_id",
+    "trace_id",
+    "span_id",
+    "parent_id",
+    "name",
+    "start_time",
+    "end_time",
+)
+
+
+def span_values(span: Span, run_id: int) -> dict[str, Any]:
+    """The row of one span; raises ``TypeError``/``ValueError`` for values JSON cannot hold (§0.4)."""
+    for name in ("rollout_id", "attempt_id", "trace_id", "span_id", "name"):
+        check_text(getattr(span, name), f"span.{name}")
+    if span.parent_id is not None:
+        check_text(span.parent_id, "span.parent_id")
+    extra: dict[str, Any] = {
+        "status": span.status.model_dump(),
+        "context": span.context.model_dump() if span.context is not None else None,
+        "parent": span.parent.model_dump() if span.parent is not None else None,
+    }
+    if span.model_extra:
+        extra.update(span.model_extra)
+    return {
+        "run_id": run_id,
+        "rollout_id": span.rollout_id,
+        "attempt_id": span.attempt_id,
+        "sequence_id": span.sequence_id,
+        "trace_id": span.trace_id,
+        "span_id": span.span_id,
+        "parent_id": span.parent_id,
+        "name": span.name,
+        "status_code": span.status.status_code,
+        "start_time": span.start_time,
+        "end_time": span.end_time,
+        "attributes": encoded(span.attributes, "span.attributes"),
+        "events": encoded([e.model_dump() for e in span.events], "span.events"),
+        "links": encoded([link.model_dump() for link in span.links], "span.links"),
+        "resource": encoded(span.resource.model_dump(), "span.resource"),
+        "extra": encoded(extra, "span.extra"),
+    }
+
+
+def span_from_row(row: Row[Any] | Any) -> Span:
+    m = row._mapping if isinstance(row, Row) else row
+    data: dict[str, Any] = dict(m["extra"] or {})
+    for name in _SPAN_COLUMN_FIELDS:
+        data[name] = m[name]
+    data["attributes"] = m["attributes"] if m["attributes"] is not None else {}
+    data["events"] = m["events"] or []
+    data["links"] = m["links"] or []
+    data["resource"] = m["resource"]
+    return Span.model_validate(data)

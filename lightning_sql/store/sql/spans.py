@@ -1,0 +1,179 @@
+"""Units of work for spans and span sequence counters (contract §2.9, §2.10).
+
+Lock order (PostgreSQL): the rollout rows first (in ``rollout_id`` order), then the attempt rows,
+then the span inserts; the heartbeat written last only touches rows already locked.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import case, select, tuple_, update
+
+from lightning_sql.store.sql import dialect as d
+from lightning_sql.store.sql import schema as s
+from lightning_sql.store.sql.engine import UnitContext
+from lightning_sql.types import QUEUED_STATUSES, Span
+
+logger = logging.getLogger("lightning_sql.store")
+
+R = s.rollouts
+A = s.attempts
+S = s.spans
+
+
+def _lock_rollouts(ctx: UnitContext, run_id: int, rollout_ids: Sequence[str]) -> dict[str, Any]:
+    ids = sorted(set(rollout_ids))
+    rows = ctx.conn.execute(
+        d.for_update(
+            ctx,
+            select(R.c.rollout_id, R.c.status, R.c.span_seq, R.c.attempt_count)
+            .where(R.c.run_id == run_id, R.c.rollout_id.in_(ids))
+            .order_by(R.c.rollout_id),
+        )
+    ).all()
+    return {row.rollout_id: row for row in rows}
+
+
+def reserve_sequence_ids(ctx: UnitContext, run_id: int, pairs: Sequence[tuple[str, str]]) -> list[int]:
+    """Reserve one sequence id per (rollout, attempt) pair, handed out in input order."""
+    if not pairs:
+        return []
+    counts: dict[str, int] = {}
+    for rid, _aid in pairs:
+        counts[rid] = counts.get(rid, 0) + 1
+    locked = _lock_rollouts(ctx, run_id, list(counts))
+    for rid in counts:
+        if rid not in locked:
+            raise ValueError(f"Rollout {rid} not found")
+    next_value: dict[str, int] = {}
+    for rid in sorted(counts):
+        start = int(locked[rid].span_seq)
+        ctx.conn.execute(
+            update(R).where(R.c.run_id == run_id, R.c.rollout_id == rid).values(span_seq=start + counts[rid])
+        )
+        next_value[rid] = start + 1
+    out = []
+    for rid, _aid in pairs:
+        out.append(next_value[rid])
+        next_value[rid] += 1
+    return out
+
+
+def add_spans(
+    ctx: UnitContext,
+    run_id: int,
+    now: float,
+    spans: Sequence[Span],
+    rows: Sequence[dict[str, Any]],
+    *,
+    allocate: bool = False,
+) -> list[Span]:
+    """Insert spans, skipping duplicates; heartbeat and promote per (rollout, attempt) group.
+
+    With ``allocate`` (a single ``add_otel_span`` without sequence id) the one span's sequence id is
+    reserved here, after validation, so a failure consumes no number.
+    """
+    if not spans:
+        return []
+    groups: dict[tuple[str, str], list[int]] = {}
+    for index, span in enumerate(spans):
+        groups.setdefault((span.rollout_id, span.attempt_id), []).append(index)
+    locked = _lock_rollouts(ctx, run_id, [rid for rid, _ in groups])
+    for rid, _aid in groups:
+        if rid not in locked:
+            raise ValueError(f"Rollout {rid} not found")
+    attempt_rows = {
+        (row.rollout_id, row.attempt_id): row
+        for row in ctx.conn.execute(
+            d.for_update(
+                ctx,
+                select(A.c.rollout_id, A.c.attempt_id, A.c.sequence_id, A.c.status)
+                .where(A.c.run_id == run_id, tuple_(A.c.rollout_id, A.c.attempt_id).in_(sorted(groups)))
+                .order_by(A.c.rollout_id, A.c.attempt_id),
+            )
+        )
+    }
+    for rid, aid in groups:
+        if (rid, aid) not in attempt_rows:
+            raise ValueError(f"Attempt {aid} not found for rollout {rid}")
+
+    if allocate:
+        (span,) = spans
+        seq = int(locked[span.rollout_id].span_seq) + 1
+        span.sequence_id = seq
+        rows = [dict(rows[0], sequence_id=seq)]
+
+    # Counters: span_seq = max(span_seq, largest sequence id of the batch) per rollout.
+    highest: dict[str, int] = {}
+    for span in spans:
+        highest[span.rollout_id] = max(highest.get(span.rollout_id, 0), span.sequence_id)
+    for rid in sorted(highest):
+        if highest[rid] > int(locked[rid].span_seq):
+            ctx.conn.execute(
+                update(R).where(R.c.run_id == run_id, R.c.rollout_id == rid).values(span_seq=highest[rid])
+            )
+
+    # Repeats inside the batch are duplicates too; keep the first.
+    unique_rows: list[dict[str, Any]] = []
+    unique_index: list[int] = []
+    seen: set[tuple[str, str, str]] = set()
+    for index, (span, row) in enumerate(zip(spans, rows, strict=True)):
+        key = (span.rollout_id, span.attempt_id, span.span_id)
+        if key in seen:
+            _log_duplicate(span)
+            continue
+        seen.add(key)
+        unique_rows.append(row)
+        unique_index.append(index)
+    inserted_keys = {
+        (r[0], r[1], r[2])
+        for r in ctx.conn.execute(
+            d.insert(ctx, S).on_conflict_do_nothing().returning(S.c.rollout_id, S.c.attempt_id, S.c.span_id),
+            unique_rows,
+        )
+    }
+    inserted: list[Span] = []
+    touched: set[tuple[str, str]] = set()
+    for index in unique_index:
+        span = spans[index]
+        if (span.rollout_id, span.attempt_id, span.span_id) in inserted_keys:
+            inserted.append(span)
+            touched.add((span.rollout_id, span.attempt_id))
+        else:
+            _log_duplicate(span)
+
+    for rid, aid in sorted(touched):
+        _heartbeat(ctx, run_id, now, rid, aid, locked[rid], attempt_rows[(rid, aid)])
+    # Group order (first seen), input order inside a group.
+    order = {key: i for i, key in enumerate(groups)}
+    inserted.sort(key=lambda sp: order[(sp.rollout_id, sp.attempt_id)])
+    return inserted
+
+
+def _log_duplicate(span: Span) -> None:
+    logger.error(
+        "Duplicated span added for rollout=%s, attempt=%s, span=%s. Skipping.",
+        span.rollout_id,
+        span.attempt_id,
+        span.span_id,
+    )
+
+
+def _heartbeat(ctx: UnitContext, run_id: int, now: float, rid: str, aid: str, rollout: Any, attempt: Any) -> None:
+    ctx.conn.execute(
+        update(A)
+        .where(A.c.run_id == run_id, A.c.rollout_id == rid, A.c.attempt_id == aid)
+        .values(
+            last_heartbeat_time=now,
+            status=case((A.c.status.in_(("preparing", "unresponsive")), "running"), else_=A.c.status),
+        )
+    )
+    if attempt.sequence_id == rollout.attempt_count and rollout.status in ("preparing", *QUEUED_STATUSES):
+        ctx.conn.execute(
+            update(R)
+            .where(R.c.run_id == run_id, R.c.rollout_id == rid)
+            .values(status="running", queue_seq=None)
+        )

@@ -1,0 +1,127 @@
+"""Lease expiry (contract §2.15): expired attempts -> timeout/unresponsive, rollouts -> requeue or fail.
+
+A few set-based statements in one transaction, idempotent and safe to run from many processes at
+once.  On PostgreSQL the candidate rollout rows are taken ``FOR UPDATE SKIP LOCKED`` so a sweep never
+waits on a busy row (it is left to the next sweep).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from sqlalchemy import and_, bindparam, literal, or_, select, update
+
+from lightning_sql.store.sql import dialect as d
+from lightning_sql.store.sql import schema as s
+from lightning_sql.store.sql.engine import UnitContext
+from lightning_sql.types import IN_FLIGHT_STATUSES, RolloutConfig, rollout_status_from_attempt
+
+R = s.rollouts
+A = s.attempts
+W = s.workers
+
+
+def expire_leases(ctx: UnitContext, run_id: int | None, now: float) -> int:
+    """Sweep one run (or every run when ``run_id`` is None); returns the number of attempts hit."""
+    now_p = literal(now, type_=s.EpochSeconds)
+    timed_out = and_(R.c.timeout_seconds.isnot(None), now_p - A.c.start_time > R.c.timeout_seconds)
+    silent = and_(
+        R.c.unresponsive_seconds.isnot(None),
+        or_(
+            and_(A.c.last_heartbeat_time.isnot(None), now_p - A.c.last_heartbeat_time > R.c.unresponsive_seconds),
+            and_(A.c.last_heartbeat_time.is_(None), now_p - A.c.start_time > R.c.unresponsive_seconds),
+        ),
+    )
+    where = [
+        R.c.status.in_(IN_FLIGHT_STATUSES),
+        R.c.attempt_count > 0,
+        or_(timed_out, silent),
+    ]
+    if run_id is not None:
+        where.insert(0, R.c.run_id == run_id)
+    stmt = (
+        select(
+            R.c.run_id,
+            R.c.rollout_id,
+            R.c.max_attempts,
+            R.c.retry_condition,
+            A.c.attempt_id,
+            A.c.sequence_id,
+            A.c.worker_id,
+            timed_out.label("timed_out"),
+        )
+        .join(
+            A,
+            and_(A.c.run_id == R.c.run_id, A.c.rollout_id == R.c.rollout_id, A.c.sequence_id == R.c.attempt_count),
+        )
+        .where(*where)
+        .order_by(R.c.run_id, R.c.rollout_id)
+    )
+    if ctx.dialect == "postgresql":
+        stmt = stmt.with_for_update(of=R, skip_locked=True)
+    hits = ctx.conn.execute(stmt).all()
+    if not hits:
+        return 0
+
+    attempt_updates: list[dict[str, Any]] = []
+    requeue: dict[int, list[Any]] = defaultdict(list)
+    fail: list[dict[str, Any]] = []
+    workers: list[dict[str, Any]] = []
+    for hit in hits:
+        new_attempt_status = "timeout" if hit.timed_out else "unresponsive"
+        attempt_updates.append(
+            {"b_run": hit.run_id, "b_rollout": hit.rollout_id, "b_attempt": hit.attempt_id, "b_status": new_attempt_status}
+        )
+        config = RolloutConfig.model_construct(max_attempts=hit.max_attempts, retry_condition=list(hit.retry_condition or []))
+        if rollout_status_from_attempt(new_attempt_status, hit.sequence_id, config) == "requeuing":
+            requeue[hit.run_id].append(hit)
+        else:
+            fail.append({"b_run": hit.run_id, "b_rollout": hit.rollout_id})
+        if hit.worker_id:
+            workers.append({"b_run": hit.run_id, "b_worker": hit.worker_id, "b_attempt": hit.attempt_id})
+
+    ctx.conn.execute(
+        update(A)
+        .where(
+            A.c.run_id == bindparam("b_run"),
+            A.c.rollout_id == bindparam("b_rollout"),
+            A.c.attempt_id == bindparam("b_attempt"),
+        )
+        .values(status=bindparam("b_status")),
+        attempt_updates,
+    )
+    requeue_params: list[dict[str, Any]] = []
+    for rid_run, run_hits in requeue.items():
+        positions = d.allocate_positions(ctx, rid_run, len(run_hits))
+        for hit, pos in zip(run_hits, positions, strict=True):
+            requeue_params.append({"b_run": hit.run_id, "b_rollout": hit.rollout_id, "b_pos": pos})
+        ctx.announce(rid_run, "queued")
+    if requeue_params:
+        ctx.conn.execute(
+            update(R)
+            .where(R.c.run_id == bindparam("b_run"), R.c.rollout_id == bindparam("b_rollout"))
+            .values(status="requeuing", queue_seq=bindparam("b_pos")),
+            requeue_params,
+        )
+    if fail:
+        ctx.conn.execute(
+            update(R)
+            .where(R.c.run_id == bindparam("b_run"), R.c.rollout_id == bindparam("b_rollout"))
+            .values(status="failed", end_time=now, queue_seq=None),
+            fail,
+        )
+        for run in {f["b_run"] for f in fail}:
+            ctx.announce(run, "finished")
+    if workers:
+        ctx.conn.execute(
+            update(W)
+            .where(
+                W.c.run_id == bindparam("b_run"),
+                W.c.worker_id == bindparam("b_worker"),
+                W.c.current_attempt_id == bindparam("b_attempt"),
+            )
+            .values(status="unknown", last_idle_time=now, current_rollout_id=None, current_attempt_id=None),
+            workers,
+        )
+    return len(hits)
