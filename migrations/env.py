@@ -11,9 +11,10 @@ Two ways in:
   the same locks as the store.  Autogenerate new revisions against a SQLite URL so that the
   rendered operations carry no schema name.
 
-On PostgreSQL every object lives in the configured schema: the revisions use schema-less names and
-the connection maps them with ``schema_translate_map={None: schema}``; the version table is put
-there explicitly (``version_table_schema``).
+On PostgreSQL every object lives in the configured schema: the revisions use schema-less names,
+which ``migrate.migration_namespace`` points at the schema (``schema_translate_map`` plus a
+transaction-local ``search_path``); the version table is put there explicitly
+(``version_table_schema``).
 """
 
 from __future__ import annotations
@@ -42,12 +43,7 @@ def include_name(name: str | None, type_: str, parent_names: Any) -> bool:
 
 def run_migrations_on(connection: Connection, schema: str | None) -> None:
     """Run the requested migrations on ``connection`` inside its current transaction."""
-    if schema is not None:
-        migrate.prepare_pg_schema(connection, schema)
-    # Connection.execution_options() changes the caller's connection in place: put it back after.
-    previous_map = connection.get_execution_options().get("schema_translate_map")
-    connection.execution_options(schema_translate_map={None: schema})
-    try:
+    with migrate.migration_namespace(connection, schema):
         context.configure(
             connection=connection,
             target_metadata=metadata,
@@ -59,9 +55,7 @@ def run_migrations_on(connection: Connection, schema: str | None) -> None:
         )
         with context.begin_transaction():
             context.run_migrations()
-            migrate.write_compat_marker(connection, schema)
-    finally:
-        connection.execution_options(schema_translate_map=previous_map)
+            migrate.write_compat_marker(connection, schema, context.script)
 
 
 def _url_from_environment() -> URL:
@@ -96,6 +90,8 @@ def _migrate_sqlite_by_hand(url: URL) -> None:
     @event.listens_for(engine, "connect")
     def _manual_transactions(dbapi_connection: Any, _record: Any) -> None:
         dbapi_connection.isolation_level = None  # let BEGIN IMMEDIATE below be the only BEGIN
+        # Before any transaction (DESIGN §6): batch mode rebuilds tables.
+        dbapi_connection.execute("PRAGMA foreign_keys=OFF")
 
     @event.listens_for(engine, "begin")
     def _begin_immediate(conn: Connection) -> None:
@@ -108,7 +104,6 @@ def _migrate_sqlite_by_hand(url: URL) -> None:
         else contextlib.nullcontext()
     )
     with lock, engine.connect() as connection:
-        connection.exec_driver_sql("PRAGMA foreign_keys=OFF")  # before the transaction (DESIGN §6)
         with connection.begin():
             run_migrations_on(connection, None)
             migrate.check_sqlite_foreign_keys(connection)
@@ -146,8 +141,8 @@ def run_migrations_offline() -> None:
             quoted = context.get_context().dialect.identifier_preparer.quote_identifier(schema)
             context.execute(f"CREATE SCHEMA IF NOT EXISTS {quoted}")
             context.execute(f"SET search_path TO {quoted}")
-        # The lightning_sql_compat marker is not scripted: the first online ensure_schema or
-        # upgrade after an older revision writes it.
+        # The lightning_sql_compat marker is not scripted: until an online upgrade or downgrade
+        # writes it, code older than the database's revision refuses the database (the safe side).
         context.run_migrations()
 
 

@@ -388,19 +388,25 @@ class SqliteThreadWorker(IoWorker):
             if self.target.path is not None and not read_only:
                 lock_file = open(self.target.path + ".migrate.lock", "a+")  # noqa: SIM115
                 fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX)
-            conn.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
+            # Batch migrations rebuild tables: foreign keys go off *before* the transaction
+            # (SQLite ignores the pragma inside one) and are checked by migrate.upgrade.
+            conn.exec_driver_sql("PRAGMA foreign_keys=OFF")
             try:
-                migrate.ensure_schema(
-                    conn,
-                    schema=None,
-                    auto_migrate=auto_migrate,
-                    read_only=read_only,
-                    url_for_messages=self.target.masked,
-                )
-                conn.commit()
-            except BaseException:
-                conn.rollback()
-                raise
+                conn.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
+                try:
+                    migrate.ensure_schema(
+                        conn,
+                        schema=None,
+                        auto_migrate=auto_migrate,
+                        read_only=read_only,
+                        url_for_messages=self.target.masked,
+                    )
+                    conn.commit()
+                except BaseException:
+                    conn.rollback()
+                    raise
+            finally:
+                conn.exec_driver_sql("PRAGMA foreign_keys=ON")
             self._schema_ready = (auto_migrate, read_only)
         finally:
             if lock_file is not None:
@@ -502,6 +508,7 @@ class AsyncLoopWorker(IoWorker):
         self._listener: Any = None
         self._listener_task: asyncio.Task[None] | None = None
         self._schema_alock: asyncio.Lock | None = None
+        self._poll_task: asyncio.Task[None] | None = None
         self._thread = threading.Thread(
             target=self._main, name=f"lightning-sql-io[{target.masked}]", daemon=True
         )
@@ -510,6 +517,25 @@ class AsyncLoopWorker(IoWorker):
     def _main(self) -> None:
         asyncio.set_event_loop(self._loop)
         self._loop.run_forever()
+
+    async def _poll_data_version(self) -> None:
+        """aiosqlite: while someone waits, notice other processes' commits (``PRAGMA data_version``)."""
+        last: int | None = None
+        while not self.closed:
+            await asyncio.sleep(SQLITE_DATA_VERSION_POLL_S)
+            if not self.hub.has_waiters or self._engine is None or self._serial is None:
+                last = None
+                continue
+            try:
+                async with self._serial, self._engine.connect() as aconn:
+                    version = (await aconn.exec_driver_sql("PRAGMA data_version")).scalar()
+                    await aconn.rollback()
+            except Exception:  # noqa: BLE001 - retried at the next tick
+                logger.debug("data_version poll failed", exc_info=True)
+                continue
+            if last is not None and version != last:
+                self.hub.wake(None)
+            last = version
 
     def _make_engine(self) -> AsyncEngine:
         opts = dict(self.options)
@@ -562,8 +588,9 @@ class AsyncLoopWorker(IoWorker):
         self.closed = True
 
         async def shutdown() -> None:
-            if self._listener_task is not None:
-                self._listener_task.cancel()
+            for task in (self._listener_task, self._poll_task):
+                if task is not None:
+                    task.cancel()
             if self._listener is not None:
                 try:
                     await self._listener.close(timeout=2)
@@ -593,6 +620,7 @@ class AsyncLoopWorker(IoWorker):
             try:
                 async with self._engine.connect() as aconn:
                     if self.target.kind == "aiosqlite":
+                        await aconn.exec_driver_sql("PRAGMA foreign_keys=OFF")
                         await aconn.exec_driver_sql("BEGIN" if unit.read_only else "BEGIN IMMEDIATE")
                     await aconn.run_sync(
                         lambda conn: migrate.ensure_schema(
@@ -604,6 +632,14 @@ class AsyncLoopWorker(IoWorker):
                         )
                     )
                     await aconn.commit()
+                    if self.target.kind == "aiosqlite":
+                        await aconn.exec_driver_sql("PRAGMA foreign_keys=ON")
+                        await aconn.commit()
+            except BaseException:
+                if self._engine is not None and self.target.kind == "aiosqlite":
+                    # The StaticPool connection is reused: never leave foreign keys off on it.
+                    await self._engine.dispose()
+                raise
             finally:
                 if lock_file is not None:
                     fcntl.flock(lock_file.fileno(), fcntl.LOCK_UN)
@@ -617,6 +653,7 @@ class AsyncLoopWorker(IoWorker):
             self._engine = self._make_engine()
             if self.target.kind == "aiosqlite":
                 self._serial = asyncio.Lock()
+                self._poll_task = asyncio.get_running_loop().create_task(self._poll_data_version())
         started = time.monotonic()
         attempt = 0
         while True:

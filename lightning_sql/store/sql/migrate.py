@@ -35,7 +35,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Column, Connection, MetaData, String, Table, delete, func, inspect, insert, select
+from sqlalchemy import Column, Connection, MetaData, String, Table, delete, func, insert, inspect, select
 
 from lightning_sql.store.sql import schema as schema_module
 from lightning_sql.store.sql.schema import VERSION_TABLE
@@ -189,15 +189,57 @@ def migration_file_lock(database_path: str | os.PathLike[str]) -> Iterator[None]
 # -- used by migrations/env.py ----------------------------------------------------------------------
 
 
+def take_migration_lock(conn: Connection) -> None:
+    """On PostgreSQL, wait for the database-wide migration lock (held until the transaction ends)."""
+    if conn.dialect.name == "postgresql":
+        conn.execute(select(func.pg_advisory_xact_lock(MIGRATION_LOCK_KEY)))
+
+
 def prepare_pg_schema(conn: Connection, schema: str) -> None:
-    """Create the PostgreSQL schema if it is missing (the identifier is quoted, never spliced raw)."""
+    """Create the PostgreSQL schema if it is missing (the identifier is quoted, never spliced raw).
+
+    Looks first: PostgreSQL checks the CREATE privilege on the database even for
+    ``CREATE SCHEMA IF NOT EXISTS``, and a role may own a schema a DBA created without holding it.
+    """
+    if inspect(conn).has_schema(schema):
+        return
     quoted = conn.dialect.identifier_preparer.quote_identifier(schema)
     conn.exec_driver_sql(f"CREATE SCHEMA IF NOT EXISTS {quoted}")
 
 
-def write_compat_marker(conn: Connection, schema: str | None) -> None:
+@contextlib.contextmanager
+def migration_namespace(conn: Connection, schema: str | None) -> Iterator[None]:
+    """Point the revisions' schema-less names at ``schema`` for the duration of a migration.
+
+    Two mechanisms, because Alembic's ALTER-style operations (``add_column``, ``alter_column``,
+    ...) render table names themselves and ignore ``schema_translate_map``: the map (for
+    SQLAlchemy-compiled DDL such as CREATE TABLE and CREATE INDEX) and a transaction-local
+    ``search_path`` with ``schema`` first (for everything else, raw SQL included).  The caller's
+    execution options and search path are restored afterwards; on an error the caller rolls back,
+    which ends the transaction-local setting anyway.
+    """
+    if schema is None:
+        yield
+        return
+    prepare_pg_schema(conn, schema)
+    previous_map = conn.get_execution_options().get("schema_translate_map")
+    previous_path = conn.execute(select(func.current_setting("search_path"))).scalar_one()
+    quoted = conn.dialect.identifier_preparer.quote_identifier(schema)
+    # Connection.execution_options() changes the caller's connection in place.
+    conn.execution_options(schema_translate_map={None: schema})
+    try:
+        conn.execute(select(func.set_config("search_path", f"{quoted}, {previous_path}", True)))
+        yield
+        conn.execute(select(func.set_config("search_path", previous_path, True)))
+    finally:
+        conn.execution_options(schema_translate_map=previous_map)
+
+
+def write_compat_marker(conn: Connection, schema: str | None, script: ScriptDirectory | None = None) -> None:
     """Record in ``lightning_sql_compat`` the oldest code revision that may use the database as it
-    now stands (after an upgrade or downgrade); drop the table when no revision is applied."""
+    now stands (after an upgrade or downgrade); drop the table when no revision is applied.
+
+    ``script`` is the script directory the migration ran from (default: this package's)."""
     table = _compat_table(schema)
     revision = _read_version(conn, schema)
     if revision is None:
@@ -205,7 +247,8 @@ def write_compat_marker(conn: Connection, schema: str | None) -> None:
         return
     table.create(conn, checkfirst=True)
     conn.execute(delete(table))
-    conn.execute(insert(table).values(min_code_revision=_min_code_revision(revision)))
+    min_code_revision = _min_code_revision(script or _script_directory(), revision)
+    conn.execute(insert(table).values(min_code_revision=min_code_revision))
 
 
 def check_sqlite_foreign_keys(conn: Connection) -> None:
@@ -263,7 +306,8 @@ def _read_state(conn: Connection, schema: str | None) -> _SchemaState:
         present = ours.intersection(inspect(conn).get_table_names(schema=schema))
         return _SchemaState(None, None, tuple(sorted(present)))
     min_code_revision = None
-    if inspect(conn).has_table(COMPAT_TABLE, schema=schema):
+    # Only a revision this code does not ship needs the marker; spare the common case its queries.
+    if revision != HEAD_REVISION and inspect(conn).has_table(COMPAT_TABLE, schema=schema):
         compat = _compat_table(schema)
         min_code_revision = conn.execute(select(func.max(compat.c.min_code_revision))).scalar()
     return _SchemaState(revision, min_code_revision)
@@ -307,12 +351,6 @@ def _refusal(state: _SchemaState, where: str, *, read_only: bool) -> str:
     else:
         found = f"is at schema revision {state.revision}, older than this code's {HEAD_REVISION}"
     return f"{where} {found} ({reason}); run `{UPGRADE_COMMAND}` to bring it to revision {HEAD_REVISION}"
-
-
-def take_migration_lock(conn: Connection) -> None:
-    """On PostgreSQL, wait for the database-wide migration lock (held until the transaction ends)."""
-    if conn.dialect.name == "postgresql":
-        conn.execute(select(func.pg_advisory_xact_lock(MIGRATION_LOCK_KEY)))
 
 
 def _metadata_in_schema(metadata: MetaData, schema: str | None) -> MetaData:
@@ -401,11 +439,11 @@ def _known_revisions() -> frozenset[str]:
     return frozenset(script.revision for script in _script_directory().walk_revisions())
 
 
-def _min_code_revision(revision: str) -> str:
+def _min_code_revision(scripts: ScriptDirectory, revision: str) -> str:
     """The newest revision up to ``revision`` that declares itself incompatible with older code, or
     the base revision when none does."""
     oldest = revision
-    for script in _script_directory().iterate_revisions(revision, "base"):
+    for script in scripts.iterate_revisions(revision, "base"):
         if getattr(script.module, "compatible_with_older_code", True) is False:
             return script.revision
         oldest = script.revision

@@ -30,6 +30,7 @@ from lightning_sql.types import (
     AttemptedRollout,
     Rollout,
     RolloutConfig,
+    RolloutMode,
     rollout_status_from_attempt,
 )
 
@@ -43,7 +44,7 @@ class NewRollout:
 
     rollout_id: str
     input: EncodedJson | None
-    mode: str | None
+    mode: RolloutMode | None
     resources_id: str | None
     config: RolloutConfig
     metadata: EncodedJson | None
@@ -183,6 +184,11 @@ def enqueue(ctx: UnitContext, run_id: int, now: float, items: Sequence[NewRollou
             missing = [i.idempotency_key for i in fresh if i.rollout_id not in inserted and i.idempotency_key]
             for row in _fetch_rollouts(ctx, run_id, R.c.idempotency_key.in_(missing)):
                 by_key[row.idempotency_key] = rollout_from_row(row)
+
+    # A later request repeating an earlier request's key yields the rollout that request created.
+    for item in fresh:
+        if item.idempotency_key is not None and item.rollout_id in created:
+            by_key[item.idempotency_key] = created[item.rollout_id]
 
     out: list[Rollout] = []
     for item in items:

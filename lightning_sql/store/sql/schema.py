@@ -157,12 +157,10 @@ attempts = Table(
 spans = Table(
     "spans",
     metadata,
-    Column(
-        "id",
-        BigInteger().with_variant(Integer(), "sqlite"),
-        primary_key=True,
-        autoincrement=True,
-    ),
+    # BIGSERIAL on PostgreSQL (an identity column in all but name: Alembic compares an
+    # IDENTITY on SQLite's rowid alias as a spurious default change), INTEGER PRIMARY KEY (the
+    # rowid) on SQLite.
+    Column("id", BigInteger().with_variant(Integer(), "sqlite"), primary_key=True, autoincrement=True),
     Column("run_id", Integer, nullable=False),
     Column("rollout_id", IdText, nullable=False),
     Column("attempt_id", IdText, nullable=False),

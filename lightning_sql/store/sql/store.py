@@ -161,12 +161,12 @@ class SqlLightningStore(LightningStore):
             raise TypeError(f"clock_sync must be a bool or None, got {clock_sync!r}")
         if clock_sync and target.dialect == "sqlite":
             raise ValueError("clock_sync=True needs a server clock: SQLite has none (use PostgreSQL or clock_sync=False)")
-        for name, value in (
+        for option, number in (
             ("scan_debounce_seconds", scan_debounce_seconds),
             ("connect_deadline_seconds", connect_deadline_seconds),
         ):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"{name} must be a number, got {value!r}")
+            if isinstance(number, bool) or not isinstance(number, (int, float)):
+                raise TypeError(f"{option} must be a number, got {number!r}")
         if connect_deadline_seconds < 0:
             raise ValueError(f"connect_deadline_seconds must be >= 0, got {connect_deadline_seconds!r}")
         if default_rollout_config is not None and not isinstance(default_rollout_config, RolloutConfig):
