@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The project's one test command (README; .ci/run calls it too).  Self-contained on a fresh machine:
+# installs the package with its test extras, makes sure PostgreSQL answers, then runs lint, types,
+# the whole test suite (every backend) and the benchmarks at their smallest size.
+#
+#   bash scripts/test.sh            # everything
+#   bash scripts/test.sh -k claims  # extra arguments go to pytest
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+export LITELLM_LOCAL_MODEL_COST_MAP=True  # agentlightning imports offline
+export LIGHTNING_SQL_TEST_POSTGRES_URL=${LIGHTNING_SQL_TEST_POSTGRES_URL:-postgresql://postgres@127.0.0.1:5432/postgres}
+
+echo "== install"
+"$PYTHON" -m pip install --quiet --disable-pip-version-check -e '.[dev,analysis,agentlightning]'
+
+echo "== postgresql"
+if command -v pg_isready >/dev/null 2>&1; then
+  if ! pg_isready -q -h 127.0.0.1 -p 5432; then
+    if command -v pg_ctlcluster >/dev/null 2>&1 && [ -d /etc/postgresql ]; then
+      for version in $(ls /etc/postgresql); do
+        pg_ctlcluster --skip-systemctl-redirect "$version" main start || [ $? -eq 2 ]
+      done
+    fi
+    for _ in $(seq 1 30); do pg_isready -q -h 127.0.0.1 -p 5432 && break; sleep 1; done
+  fi
+  pg_isready -h 127.0.0.1 -p 5432 || echo "PostgreSQL is not reachable: its tests will skip (or fail under LIGHTNING_SQL_REQUIRE_POSTGRES=1)"
+else
+  echo "pg_isready not found: PostgreSQL tests will skip (or fail under LIGHTNING_SQL_REQUIRE_POSTGRES=1)"
+fi
+
+echo "== lint and types"
+"$PYTHON" -m ruff check lightning_sql tests benchmarks examples
+"$PYTHON" -m mypy lightning_sql
+
+echo "== tests"
+set +e
+"$PYTHON" -m pytest -p no:cacheprovider -q -rs --durations=15 "$@"
+status=$?
+set -e
+if [ "$status" -eq 5 ]; then
+  echo "pytest collected no tests: that is a failure" >&2
+  exit 1
+fi
+[ "$status" -eq 0 ] || exit "$status"
+
+if [ "$#" -eq 0 ]; then
+  echo "== benchmarks (smallest size, no thresholds: keeps the benchmark code honest)"
+  "$PYTHON" -m benchmarks --backend all --size small --repeat 1
+fi
