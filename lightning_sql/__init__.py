@@ -10,4 +10,24 @@ from lightning_sql.types import __all__ as _types_all
 
 __version__ = "0.1.0"
 
-__all__ = ["LightningStore", "SqlLightningStore", "StoreUnavailableError", *_types_all]
+# The runtime (trainer, runners, tracers: psutil, the OTel SDK processor) is imported on first use,
+# so `import lightning_sql` stays cheap for analysts and the CLI.
+_RUNTIME_NAMES = (
+    "Adapter", "TraceAdapter", "TracerTraceToTriplet", "TraceTree", "RewardMatchPolicy",
+    "LitAgent", "FunctionalLitAgent", "rollout", "llm_rollout", "prompt_rollout",
+    "Algorithm", "FastAlgorithm", "Baseline", "with_store", "ParallelWorkerBase",
+    "ExecutionEvent", "ExecutionStrategy", "InProcessExecutionStrategy", "ProcessExecutionStrategy",
+    "Hook", "Runner", "LitAgentRunner", "system_snapshot",
+    "Tracer", "OtelTracer", "NoopTracer", "emit_reward", "emit_message", "emit_object", "get_active_tracer",
+    "Trainer", "DEFAULT_ROLLOUT_CONFIG", "run_worker", "run_worker_async",
+)  # fmt: skip
+
+__all__ = ["LightningStore", "SqlLightningStore", "StoreUnavailableError", *_types_all, *_RUNTIME_NAMES]
+
+
+def __getattr__(name: str) -> object:
+    if name in _RUNTIME_NAMES:
+        from lightning_sql import runtime
+
+        return getattr(runtime, name)
+    raise AttributeError(f"module 'lightning_sql' has no attribute {name!r}")

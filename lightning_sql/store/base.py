@@ -6,6 +6,8 @@ the implementation.  Runtime components (runners, algorithms, tracers) depend on
 
 from __future__ import annotations
 
+import asyncio
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -39,6 +41,9 @@ __all__ = ["LightningStore"]
 
 class LightningStore(ABC):
     """The coordination store shared by an algorithm and its runners."""
+
+    #: Config given to rollouts enqueued or started without one (lightning_sql, contract §4).
+    default_rollout_config: RolloutConfig | None = None
 
     @property
     def capabilities(self) -> LightningStoreCapabilities:
@@ -224,6 +229,28 @@ class LightningStore(ABC):
         limit: int = -1,
         offset: int = 0,
     ) -> PaginatedResult[ResourcesUpdate]: ...
+
+    # --- lightning_sql extensions (contract §4), with conservative defaults ------------------------
+
+    async def touch_attempt(self, rollout_id: str, attempt_id: str) -> Attempt:
+        """Refresh an attempt's lease; stores with their own clock override this."""
+        return await self.update_attempt(rollout_id, attempt_id, last_heartbeat_time=time.time())
+
+    async def wait_for_queue(self, timeout: float) -> bool:
+        """True as soon as the queue holds work; this default polls the queue depth."""
+        deadline = time.monotonic() + max(timeout, 0.0)
+        while True:
+            queued = await self.query_rollouts(status_in=["queuing", "requeuing"], limit=0)
+            if queued.total > 0:
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            await asyncio.sleep(min(remaining, 0.5))
+
+    async def sweep(self, all_runs: bool = False) -> int:
+        """Expire leases now; stores without a shared sweeper have nothing to do."""
+        return 0
 
     # --- workers --------------------------------------------------------------------------------
 

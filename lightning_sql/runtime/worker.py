@@ -1,0 +1,133 @@
+"""External workers: runners on any host, joining an existing run (contract §3.6).
+
+``run_worker(url, run, "module:attr", n=4)`` opens the store with ``create_run=False`` (a mistyped
+run name fails with the list of existing runs) and runs ``n`` runners until interrupted.  Worker ids
+embed the host name and pid, so workers on many hosts never share a worker row.
+``lightning-sql worker --url URL --run NAME --agent module:attr [-n N]`` calls it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import os
+import signal
+import socket
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from lightning_sql.runtime.agent import LitAgent
+from lightning_sql.runtime.hooks import Hook
+from lightning_sql.runtime.runner import LitAgentRunner
+from lightning_sql.runtime.tracer import OtelTracer, Tracer
+from lightning_sql.runtime.trainer import _import_path
+
+__all__ = ["run_worker", "run_worker_async", "load_agent", "default_worker_prefix"]
+
+logger = logging.getLogger(__name__)
+
+
+def default_worker_prefix() -> str:
+    """``<hostname>-<pid>``: unique among the workers of a run."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def load_agent(spec: str | LitAgent[Any]) -> LitAgent[Any]:
+    """The agent named by ``module:attr`` (a ``LitAgent`` instance, a ``LitAgent`` class, or a factory)."""
+    if isinstance(spec, LitAgent):
+        return spec
+    if not isinstance(spec, str) or ":" not in spec:
+        raise ValueError(f"agent must be given as module:attr, got {spec!r}")
+    try:
+        obj = _import_path(spec)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"Cannot import agent {spec!r}: {exc}") from exc
+    if isinstance(obj, type) and issubclass(obj, LitAgent):
+        obj = obj()
+    elif not isinstance(obj, LitAgent) and callable(obj):
+        obj = obj()
+    if not isinstance(obj, LitAgent):
+        raise TypeError(f"{spec} is a {type(obj).__qualname__}, not a LitAgent (or @rollout function)")
+    return obj
+
+
+async def run_worker_async(
+    url: str,
+    run: str | None,
+    agent_spec: str | LitAgent[Any],
+    n: int = 1,
+    worker_prefix: str | None = None,
+    *,
+    stop_event: threading.Event | None = None,
+    tracer: Tracer | None = None,
+    hooks: Sequence[Hook] | None = None,
+    max_rollouts: int | None = None,
+    poll_interval: float = 5.0,
+    heartbeat_interval: float = 10.0,
+    **store_options: Any,
+) -> int:
+    """Run ``n`` runners against an existing run until ``stop_event`` is set; returns rollouts reported."""
+    from lightning_sql.store import SqlLightningStore
+
+    run = run or os.environ.get("LIGHTNING_SQL_RUN")
+    if not run:
+        raise ValueError("run is required for an external worker (--run NAME or LIGHTNING_SQL_RUN)")
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n!r}")
+    agent = load_agent(agent_spec)
+    prefix = worker_prefix or default_worker_prefix()
+    stop = stop_event or threading.Event()
+    store = SqlLightningStore(url, run=run, create_run=False, **store_options)
+    try:
+        await store.statistics()  # fails now, naming the existing runs, if the run does not exist
+        logger.info("Worker %s: %d runners on run %s at %s", prefix, n, run, store.url)
+        runners = []
+        for i in range(n):
+            runner: LitAgentRunner[Any] = LitAgentRunner(
+                tracer=copy.copy(tracer) if tracer is not None else OtelTracer(),
+                max_rollouts=max_rollouts,
+                poll_interval=poll_interval,
+                heartbeat_interval=heartbeat_interval,
+            )
+            runner.init(agent, hooks=hooks)
+            runner.init_worker(f"{prefix}-{i}", store)
+            runners.append(runner)
+        try:
+            await asyncio.gather(*(r.iter(event=stop) for r in runners))
+        finally:
+            for runner in runners:
+                runner.teardown_worker(runner.worker_id or "")
+                runner.teardown()
+        return sum(r.completed_rollouts for r in runners)
+    finally:
+        await store.close()
+
+
+def run_worker(
+    url: str,
+    run: str | None,
+    agent_spec: str | LitAgent[Any],
+    n: int = 1,
+    worker_prefix: str | None = None,
+    **options: Any,
+) -> int:
+    """Blocking ``run_worker_async``: SIGTERM / the first Ctrl-C stop gracefully (current rollouts finish)."""
+    stop: threading.Event = options.pop("stop_event", None) or threading.Event()
+    previous: dict[signal.Signals, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+
+        def graceful(signum: int, frame: Any) -> None:
+            if stop.is_set():
+                raise KeyboardInterrupt
+            logger.warning("Stopping after the current rollouts (signal %d again to abort)", signum)
+            stop.set()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, graceful)
+    try:
+        return asyncio.run(run_worker_async(url, run, agent_spec, n, worker_prefix, stop_event=stop, **options))
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
