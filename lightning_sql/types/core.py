@@ -87,9 +87,9 @@ def new_resources_id() -> str:
 class RolloutConfig(BaseModel):
     """Configuration controlling rollout retries and timeouts."""
 
-    timeout_seconds: float | None = None
+    timeout_seconds: float | None = Field(default=None, allow_inf_nan=False)
     """The timeout for the rollout, in seconds. None indicates no timeout."""
-    unresponsive_seconds: float | None = None
+    unresponsive_seconds: float | None = Field(default=None, allow_inf_nan=False)
     """The heartbeat limit for the rollout, in seconds. None indicates no limit."""
     max_attempts: int = Field(default=1, ge=1)
     """The maximum number of attempts for the rollout, including the first attempt."""

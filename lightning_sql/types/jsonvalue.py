@@ -17,6 +17,7 @@ from pydantic import BaseModel
 __all__ = [
     "MAX_JSON_DEPTH",
     "MAX_JSON_BYTES",
+    "MAX_ID_CHARS",
     "encode_json",
     "check_json",
     "check_text",
@@ -24,6 +25,7 @@ __all__ = [
 
 MAX_JSON_DEPTH = 64  # deeper values are almost certainly cycles or bugs; keeps the walk's recursion bounded
 MAX_JSON_BYTES = 16 * 1024 * 1024  # per stored value; far above any sane span/input, well below driver limits
+MAX_ID_CHARS = 1024  # ids and names are index keys; PostgreSQL caps a btree row at ~8 KB
 
 # UTF-8 needs at most 4 bytes per code point: text this short cannot exceed the limit, so we skip encoding it.
 _SAFE_CHARS = MAX_JSON_BYTES // 4
@@ -201,15 +203,18 @@ def encode_json(value: Any, field: str, *, allow_models: bool = False) -> str | 
     return text
 
 
-def check_text(value: str, field: str) -> None:
+def check_text(value: str, field: str, *, max_chars: int | None = MAX_ID_CHARS) -> None:
     """Return normally iff `value` can be stored as text: a str with no NUL character and no lone surrogate.
 
     Raises:
         TypeError: `value` is not a str.
-        ValueError: `value` contains a NUL character or a lone surrogate (the message names `field`).
+        ValueError: `value` contains a NUL character or a lone surrogate, or is longer than `max_chars`
+            (ids are index keys: PostgreSQL refuses index rows over ~8 KB) (the message names `field`).
     """
     if not isinstance(value, str):
         raise TypeError(f"{field}: expected a str, got a value of type {type(value).__name__}")
+    if max_chars is not None and len(value) > max_chars:
+        raise ValueError(f"{field}: {len(value)} characters exceed the limit of {max_chars} for an id or name")
     problem = _string_problem(value)
     if problem is not None:
         raise ValueError(f"{field}: {problem}")

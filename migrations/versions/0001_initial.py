@@ -118,7 +118,7 @@ def upgrade() -> None:
         sa.Column("trace_id", IdText, nullable=False),
         sa.Column("span_id", IdText, nullable=False),
         sa.Column("parent_id", IdText),
-        sa.Column("name", sa.Text(), nullable=False),
+        sa.Column("name", IdText, nullable=False),
         sa.Column("status_code", sa.String(8), nullable=False),
         sa.Column("start_time", EpochSeconds),
         sa.Column("end_time", EpochSeconds),

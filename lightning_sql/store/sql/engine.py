@@ -72,8 +72,8 @@ _PG_PERMANENT_SQLSTATES = {
     "28000",  # invalid_authorization_specification
     "28P01",  # invalid_password
     "3D000",  # invalid_catalog_name (unknown database)
-    "42501",  # insufficient_privilege
 }
+_PG_DENIED_SQLSTATES = {"42501"}  # insufficient_privilege: a role without write grants
 
 
 class EncodedJson(str):
@@ -173,6 +173,9 @@ class UnitContext:
     conn: Connection
     dialect: str
     events: set[tuple[int, str]] = field(default_factory=set)
+    # 0 on the first try; > 0 when the worker replays the unit after a transient error, i.e. when an
+    # earlier try may have committed (units skip their replay look-ups on the first try).
+    attempt: int = 0
 
     def announce(self, run_id: int, kind: str) -> None:
         """Record a ``finished``/``queued`` event, delivered once per kind and run after commit."""
@@ -204,8 +207,10 @@ def _chain(exc: BaseException) -> list[BaseException]:
 
 
 def classify_error(exc: BaseException) -> str:
-    """``"transient"`` (replay the unit), ``"unavailable"`` (give up at once) or ``"fatal"``."""
+    """``"transient"`` (replay the unit), ``"unavailable"`` (give up at once), ``"denied"`` or ``"fatal"``."""
     state = _sqlstate(exc)
+    if state in _PG_DENIED_SQLSTATES:
+        return "denied"
     if state in _PG_PERMANENT_SQLSTATES:
         return "unavailable"
     if state in _PG_TRANSIENT_SQLSTATES:
@@ -320,12 +325,21 @@ class IoWorker:
     def close(self) -> None:
         raise NotImplementedError
 
-    def _unavailable(self, exc: BaseException) -> StoreUnavailableError:
-        reason = f"{type(exc).__name__}: {exc}".replace(str(self.target.url), self.target.masked)
+    def _reason(self, exc: BaseException) -> str:
+        """The driver's reason, first line only (no SQL text), with any password masked."""
+        orig = getattr(exc, "orig", None) or exc
+        text_ = str(orig).strip().splitlines()[0] if str(orig).strip() else ""
+        reason = f"{type(orig).__name__}: {text_}".replace(str(self.target.url), self.target.masked)
         password = self.target.url.password
         if password:
             reason = reason.replace(str(password), "***")
-        return StoreUnavailableError(f"Database {self.target.masked} is unavailable: {reason}")
+        return reason
+
+    def _unavailable(self, exc: BaseException) -> StoreUnavailableError:
+        return StoreUnavailableError(f"Database {self.target.masked} is unavailable: {self._reason(exc)}")
+
+    def _denied(self, exc: BaseException) -> PermissionError:
+        return PermissionError(f"Database {self.target.masked} refused the operation: {self._reason(exc)}")
 
     def _after_commit(self, ctx: UnitContext) -> None:
         for run_id, _kind in ctx.events:
@@ -465,7 +479,7 @@ class SqliteThreadWorker(IoWorker):
                         self.ensure_schema_locked(conn, auto_migrate=unit.auto_migrate, read_only=unit.read_only)
                         return None  # type: ignore[return-value]
                     conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
-                    ctx = UnitContext(conn, "sqlite")
+                    ctx = UnitContext(conn, "sqlite", attempt=attempt)
                     try:
                         result = unit(ctx)
                         conn.commit()
@@ -478,6 +492,8 @@ class SqliteThreadWorker(IoWorker):
                 kind = classify_error(exc)
                 if kind == "unavailable":
                     raise self._unavailable(exc) from exc
+                if kind == "denied":
+                    raise self._denied(exc) from exc
                 if kind != "transient":
                     raise
                 if time.monotonic() - started > deadline_s:
@@ -663,14 +679,16 @@ class AsyncLoopWorker(IoWorker):
                     return None  # type: ignore[return-value]
                 if self._serial is not None:
                     async with self._serial:
-                        return await self._once(unit, write)
-                return await self._once(unit, write)
+                        return await self._once(unit, write, attempt)
+                return await self._once(unit, write, attempt)
             except asyncio.CancelledError:
                 raise
             except BaseException as exc:
                 kind = classify_error(exc)
                 if kind == "unavailable":
                     raise self._unavailable(exc) from exc
+                if kind == "denied":
+                    raise self._denied(exc) from exc
                 if kind != "transient":
                     raise
                 if time.monotonic() - started > deadline_s:
@@ -678,7 +696,7 @@ class AsyncLoopWorker(IoWorker):
                 await asyncio.sleep(_backoff(attempt))
                 attempt += 1
 
-    async def _once(self, unit: Unit[T], write: bool) -> T:
+    async def _once(self, unit: Unit[T], write: bool, attempt: int = 0) -> T:
         assert self._engine is not None
         dialect = self.dialect
         async with self._engine.connect() as aconn:
@@ -687,7 +705,7 @@ class AsyncLoopWorker(IoWorker):
             holder: dict[str, UnitContext] = {}
 
             def run(conn: Connection) -> T:
-                ctx = UnitContext(conn, dialect)
+                ctx = UnitContext(conn, dialect, attempt=attempt)
                 holder["ctx"] = ctx
                 result = unit(ctx)
                 if dialect == "postgresql" and ctx.events:

@@ -147,8 +147,9 @@ _SPAN_COLUMN_FIELDS = (
 
 def span_values(span: Span, run_id: int) -> dict[str, Any]:
     """The row of one span; raises ``TypeError``/``ValueError`` for values JSON cannot hold (§0.4)."""
-    for name in ("rollout_id", "attempt_id", "trace_id", "span_id", "name"):
+    for name in ("rollout_id", "attempt_id", "trace_id", "span_id"):
         check_text(getattr(span, name), f"span.{name}")
+    check_text(span.name, "span.name", max_chars=None)
     if span.parent_id is not None:
         check_text(span.parent_id, "span.parent_id")
     extra: dict[str, Any] = {

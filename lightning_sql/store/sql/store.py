@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import threading
 import time
@@ -538,6 +539,10 @@ class SqlLightningStore(LightningStore):
             check_text(worker_id, "worker_id")
         attempt_ids = [new_attempt_id() for _ in range(max(limit, 0))]
         if not attempt_ids and worker_id is None:
+            # Nothing to claim and no worker to mark idle: only the [sweeps] part of the call remains.
+            worker, run_id = await self._prepare()
+            assert run_id is not None
+            await self._maybe_sweep(worker, run_id)
             return []
         return await self._call(
             method,
@@ -630,6 +635,8 @@ class SqlLightningStore(LightningStore):
                     {"rollout_id": "x", "attempt_id": "y", "sequence_id": 1, "start_time": 0.0,
                      "last_heartbeat_time": last_heartbeat_time}
                 )
+            if last_heartbeat_time is not None and not math.isfinite(last_heartbeat_time):
+                raise ValueError(f"last_heartbeat_time must be a finite number, got {last_heartbeat_time!r}")
             changes["last_heartbeat_time"] = None if last_heartbeat_time is None else float(last_heartbeat_time)
         if not isinstance(metadata, Unset):
             if metadata is not None and not isinstance(metadata, dict):
@@ -891,6 +898,7 @@ class SqlLightningStore(LightningStore):
         return result[0] if result else None
 
     async def get_next_span_sequence_id(self, rollout_id: str, attempt_id: str) -> int:
+        self._check_writable("get_next_span_sequence_id")  # name this method, not the one it delegates to
         (value,) = await self.get_many_span_sequence_ids([(rollout_id, attempt_id)])
         return value
 
