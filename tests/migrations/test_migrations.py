@@ -550,6 +550,10 @@ def test_postgres_schema_name_is_quoted() -> None:
 
 # -- an older revision, a newer one, and older code ------------------------------------------------
 
+# The test-only revision goes on top of the shipped head.
+SHIPPED = HEAD_REVISION
+NEXT = f"{int(HEAD_REVISION) + 1:04d}"
+
 REVISION_0002 = '''
 """Test-only revision: worker labels and rollout priority (rebuilds a referenced table on SQLite)."""
 
@@ -557,8 +561,8 @@ import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects import postgresql
 
-revision = "0002"
-down_revision = "0001"
+revision = "NEXT"
+down_revision = "SHIPPED"
 branch_labels = None
 depends_on = None
 
@@ -589,14 +593,16 @@ def downgrade() -> None:
 
 @pytest.fixture
 def code_versions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], None]]:
-    """Switch the code between the shipped revisions (``"0001"``) and a copy that adds 0002."""
+    """Switch the code between the shipped revisions (``SHIPPED``) and a copy that adds ``NEXT``."""
     shipped = migrate.script_location()
     newer = tmp_path / "migrations_0002"
     shutil.copytree(shipped, newer, ignore=shutil.ignore_patterns("__pycache__"))
-    (newer / "versions" / "0002_worker_labels.py").write_text(REVISION_0002)
+    (newer / "versions" / f"{NEXT}_worker_labels.py").write_text(
+        REVISION_0002.replace('"NEXT"', repr(NEXT)).replace('"SHIPPED"', repr(SHIPPED))
+    )
 
     def use(head: str) -> None:
-        location = newer if head == "0002" else shipped
+        location = newer if head == NEXT else shipped
         monkeypatch.setattr(migrate, "script_location", lambda: location)
         monkeypatch.setattr(migrate, "HEAD_REVISION", head)
         migrate._script_directory.cache_clear()
@@ -676,41 +682,41 @@ def _model_at_0002() -> MetaData:
 def test_older_schema_is_upgraded_with_its_data_and_guards_older_code(
     database: Database, code_versions: Callable[[str], None]
 ) -> None:
-    code_versions("0001")
+    code_versions(SHIPPED)
     ensure(database)
     database.run(_write_sample_run)
     before = database.run(_read_sample_run)
 
-    code_versions("0002")
+    code_versions(NEXT)
     for auto_migrate, read_only in [(False, False), (True, True)]:
         with pytest.raises(SchemaError) as raised:
             ensure(database, auto_migrate=auto_migrate, read_only=read_only)
         assert "lightning-sql db upgrade" in str(raised.value)
-        assert "0001" in str(raised.value) and "0002" in str(raised.value)
+        assert SHIPPED in str(raised.value) and NEXT in str(raised.value)
     if isinstance(database, SqliteDatabase):
         # Batch mode rebuilds tables: foreign keys must be off before the transaction begins.
         with pytest.raises(SchemaError, match="foreign_keys"):
             database.run(lambda conn: migrate.upgrade(conn, None), migrating=False)
-    assert version_rows(database) == ["0001"]
+    assert version_rows(database) == [SHIPPED]
 
     ensure(database)
-    assert version_rows(database) == ["0002"]
-    assert compat_marker(database) == "0002"
+    assert version_rows(database) == [NEXT]
+    assert compat_marker(database) == NEXT
     assert database.run(_read_sample_run) == before
     # The rebuilt rollouts table kept its partial queue index and everything else.
     assert check(database, _model_at_0002()) == []
 
-    code_versions("0001")
+    code_versions(SHIPPED)
     with pytest.raises(SchemaError) as raised:
         ensure(database, auto_migrate=False, read_only=True)
-    assert "0002" in str(raised.value) and "0001" in str(raised.value)
+    assert NEXT in str(raised.value) and SHIPPED in str(raised.value)
 
-    code_versions("0002")
-    database.run(lambda conn: migrate.downgrade(conn, database.schema, "0001"), migrating=True)
-    assert version_rows(database) == ["0001"]
+    code_versions(NEXT)
+    database.run(lambda conn: migrate.downgrade(conn, database.schema, SHIPPED), migrating=True)
+    assert version_rows(database) == [SHIPPED]
     assert compat_marker(database) == "0001"
     assert database.run(_read_sample_run) == before
-    code_versions("0001")
+    code_versions(SHIPPED)
     ensure(database)
     assert check(database) == []
 
