@@ -287,7 +287,9 @@ def claim(
     limit = len(attempt_ids)
     out: list[AttemptedRollout] = []
     if limit > 0:
-        out = _replayed_claim(ctx, run_id, attempt_ids)
+        # Only a replay can find its own attempts (the ids are fresh per call): skip the look-up on
+        # the first try.
+        out = _replayed_claim(ctx, run_id, attempt_ids) if ctx.attempt > 0 else []
         if not out:
             out = _claim_fresh(ctx, run_id, now, attempt_ids, worker_id)
     if worker_id is not None:
@@ -319,6 +321,9 @@ def _replayed_claim(ctx: UnitContext, run_id: int, attempt_ids: Sequence[str]) -
 def _claim_fresh(
     ctx: UnitContext, run_id: int, now: float, attempt_ids: Sequence[str], worker_id: str | None
 ) -> list[AttemptedRollout]:
+    one_trip = d.claim_in_one_statement(ctx, run_id, now, attempt_ids, worker_id, ROLLOUT_COLUMNS)
+    if one_trip is not None:
+        return [_attempted_claim(row, row.attempt_id, now, worker_id) for row in one_trip]
     picked = d.for_update(
         ctx,
         select(R.c.rollout_id)
@@ -352,22 +357,27 @@ def _claim_fresh(
                 "start_time": now,
             }
         )
-        attempt = Attempt.model_construct(
-            rollout_id=rid,
-            attempt_id=aid,
-            sequence_id=row.attempt_count,
-            start_time=now,
-            end_time=None,
-            status="preparing",
-            worker_id=worker_id,
-            last_heartbeat_time=None,
-            metadata=None,
-        )
-        ar = attempted(row, attempt)
-        assert isinstance(ar, AttemptedRollout)
-        result.append(ar)
+        result.append(_attempted_claim(row, aid, now, worker_id))
     ctx.conn.execute(A.insert(), attempt_rows)
     return result
+
+
+def _attempted_claim(row: Any, attempt_id: str, now: float, worker_id: str | None) -> AttemptedRollout:
+    """The claimed rollout (a row with ``attempt_count``) with its fresh ``preparing`` attempt."""
+    attempt = Attempt.model_construct(
+        rollout_id=row.rollout_id,
+        attempt_id=attempt_id,
+        sequence_id=row.attempt_count,
+        start_time=now,
+        end_time=None,
+        status="preparing",
+        worker_id=worker_id,
+        last_heartbeat_time=None,
+        metadata=None,
+    )
+    ar = attempted(row, attempt)
+    assert isinstance(ar, AttemptedRollout)
+    return ar
 
 
 def mark_idle_on_empty_queue(ctx: UnitContext, run_id: int, now: float, worker_id: str) -> None:
@@ -560,7 +570,9 @@ def update_attempt(
 
 
 def touch_attempt(ctx: UnitContext, run_id: int, now: float, rollout_id: str, attempt_id: str) -> Attempt:
-    _row, attempt_row = resolve_attempt(ctx, run_id, rollout_id, attempt_id, lock=False)
+    # Lock order (§2.17): the rollout row first, so a concurrent sweep either skips this rollout or has
+    # committed its verdict before the heartbeat lands (never judges a heartbeat it did not see).
+    _row, attempt_row = resolve_attempt(ctx, run_id, rollout_id, attempt_id, lock=True)
     ctx.conn.execute(
         update(A)
         .where(A.c.run_id == run_id, A.c.rollout_id == rollout_id, A.c.attempt_id == attempt_row.attempt_id)
