@@ -6,9 +6,25 @@ cannot be neutral.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import ColumnElement, Select, Table, func, literal, select, update
+from sqlalchemy import (
+    ColumnElement,
+    Float,
+    Integer,
+    Select,
+    Table,
+    Text,
+    bindparam,
+    func,
+    literal,
+    select,
+    update,
+)
+from sqlalchemy import (
+    insert as core_insert,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 
 from lightning_sql.store.sql import schema as s
@@ -66,3 +82,83 @@ def position_expr(ctx: UnitContext, run_id: int) -> Any:
 def server_epoch(ctx: UnitContext) -> Any:
     """The database server's clock in epoch seconds (only for measuring the clock offset, §0.2)."""
     return select(func.extract("epoch", func.clock_timestamp()))
+
+
+def claim_in_one_statement(
+    ctx: UnitContext, run_id: int, now: float, attempt_ids: Sequence[str], worker_id: str | None, returning: Sequence[Any]
+) -> list[Any] | None:
+    """PostgreSQL: pick, mark and attempt up to ``len(attempt_ids)`` queued rollouts in ONE round trip.
+
+    One statement of data-modifying CTEs: the lowest ``queue_seq`` rows (``FOR UPDATE SKIP
+    LOCKED``) become ``preparing`` and leave the queue, and each gets its attempt, the i-th picked
+    rollout the i-th attempt id.  Rows come back in queue order with the ``returning`` columns of the
+    rollout plus ``attempt_count`` (= the attempt's ``sequence_id``) and ``attempt_id``.  Returns None
+    on SQLite, where writers are serialised and a statement costs no round trip: the caller runs the
+    plain steps.
+    """
+    if ctx.dialect != "postgresql":
+        return None
+    key = tuple(c.name for c in returning)
+    stmt = _CLAIM_STATEMENTS.get(key)
+    if stmt is None:
+        stmt = _CLAIM_STATEMENTS[key] = _claim_statement(returning)
+    params = {
+        "claim_run_id": run_id,
+        "claim_limit": len(attempt_ids),
+        "claim_now": now,
+        "claim_worker_id": worker_id,
+        "claim_attempt_ids": list(attempt_ids),
+    }
+    return list(ctx.conn.execute(stmt, params).all())
+
+
+# Built once per column list: constructing this statement costs more Python than running it.
+_CLAIM_STATEMENTS: dict[tuple[str, ...], Any] = {}
+
+
+def _claim_statement(returning: Sequence[Any]) -> Any:
+    R, A = s.rollouts, s.attempts
+    run_id = bindparam("claim_run_id", type_=Integer)
+    picked = (
+        select(R.c.rollout_id, R.c.queue_seq)
+        .where(R.c.run_id == run_id, R.c.queue_seq.isnot(None))
+        .order_by(R.c.queue_seq)
+        .limit(bindparam("claim_limit", type_=Integer))
+        .with_for_update(skip_locked=True)
+        .cte("picked")
+    )
+    claimed = (
+        update(R)
+        .where(R.c.run_id == run_id, R.c.rollout_id == picked.c.rollout_id)
+        .values(status="preparing", queue_seq=None, attempt_count=R.c.attempt_count + 1)
+        .returning(*returning, R.c.attempt_count, picked.c.queue_seq.label("picked_seq"))
+        .cte("claimed")
+    )
+    ranked = select(claimed, func.row_number().over(order_by=claimed.c.picked_seq).label("pos")).cte("ranked")
+    ids = (
+        func.unnest(bindparam("claim_attempt_ids", type_=postgresql.ARRAY(Text)))
+        .table_valued("attempt_id", with_ordinality="pos")
+        .render_derived(name="ids")
+    )
+    attempt_rows = select(
+        run_id,
+        ranked.c.rollout_id,
+        ids.c.attempt_id,
+        ranked.c.attempt_count,
+        literal("preparing", Text),
+        bindparam("claim_worker_id", type_=Text),
+        bindparam("claim_now", type_=Float(precision=53)),
+    ).select_from(ranked.join(ids, ids.c.pos == ranked.c.pos))
+    inserted = (
+        core_insert(A)
+        .from_select(
+            ["run_id", "rollout_id", "attempt_id", "sequence_id", "status", "worker_id", "start_time"], attempt_rows
+        )
+        .returning(A.c.rollout_id, A.c.attempt_id)
+        .cte("inserted")
+    )
+    return (
+        select(ranked, inserted.c.attempt_id)
+        .join_from(ranked, inserted, inserted.c.rollout_id == ranked.c.rollout_id)
+        .order_by(ranked.c.pos)
+    )

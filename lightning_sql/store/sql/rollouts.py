@@ -31,6 +31,7 @@ from lightning_sql.types import (
     Rollout,
     RolloutConfig,
     RolloutMode,
+    check_text,
     rollout_status_from_attempt,
 )
 
@@ -514,6 +515,10 @@ def resolve_attempt(ctx: UnitContext, run_id: int, rollout_id: str, attempt_id: 
         raise ValueError(f"Rollout {rollout_id} not found")
     if row.attempt_count == 0:
         raise ValueError(f"No attempts found for rollout {rollout_id}")
+    if attempt_id != "latest" and not storable_text(attempt_id):
+        # A concrete id that cannot exist in the database (NUL, lone surrogate, too long): it matches
+        # nothing, reported after the rollout checks above (§2.7 resolution order).
+        raise ValueError(f"Attempt {attempt_id} not found for rollout {rollout_id}")
     where = [A.c.run_id == run_id, A.c.rollout_id == rollout_id]
     if attempt_id == "latest":
         where.append(A.c.sequence_id == row.attempt_count)
@@ -615,6 +620,22 @@ def get_rollout(ctx: UnitContext, run_id: int, rollout_id: str) -> Rollout | Att
     if not rows:
         return None
     return with_latest_attempts(ctx, run_id, rows)[0]
+
+
+def rollout_exists(ctx: UnitContext, run_id: int, rollout_id: str) -> bool:
+    row = ctx.conn.execute(
+        select(R.c.rollout_id).where(R.c.run_id == run_id, R.c.rollout_id == rollout_id)
+    ).first()
+    return row is not None
+
+
+def storable_text(value: Any) -> bool:
+    """Whether ``value`` could be a stored id (a str without NUL or lone surrogate, not too long)."""
+    try:
+        check_text(value, "value")
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def get_latest_attempt(ctx: UnitContext, run_id: int, rollout_id: str) -> Attempt | None:

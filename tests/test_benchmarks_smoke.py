@@ -1,0 +1,76 @@
+"""The benchmark code runs end to end (so it cannot rot); its figures are never asserted here."""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+
+import pytest
+
+from benchmarks import targets as tg
+from benchmarks.runner import CaseResult, format_case, run_benchmarks
+from benchmarks.workloads import SIZES, Case, Measurement, dequeue_contention, lifecycle, p0_claims
+
+TINY = dataclasses.replace(SIZES["small"], lifecycle_n=20, spans_per_rollout=3, dequeue_n=40)
+
+
+async def test_lifecycle_workload_runs_and_checks_on_sqlite() -> None:
+    with tempfile.TemporaryDirectory() as workdir:
+        async with tg.open_target("sqlite", workdir) as target:
+            m = await lifecycle(target, TINY, runners=4, batch=True)
+    assert m.problems == []
+    assert m.metrics["rollouts/s"] > 0
+    assert m.metrics["spans/s"] == pytest.approx(m.metrics["rollouts/s"] * 3)
+
+
+async def test_dequeue_workload_and_p0_agree_on_what_was_claimed() -> None:
+    with tempfile.TemporaryDirectory() as workdir:
+        async with tg.open_target("sqlite", workdir) as target:
+            store_run = await dequeue_contention(target, TINY, claimers=4)
+        async with tg.open_target("sqlite", workdir) as target:
+            raw_run = await p0_claims(target, TINY)
+    for m in (store_run, raw_run):
+        assert m.problems == []
+        assert m.metrics["duplicates"] == 0
+        assert m.metrics["claims/s"] > 0
+
+
+async def test_checks_catch_a_store_that_double_claims() -> None:
+    """The correctness checks are live: a store that hands one rollout to two runners is reported."""
+
+    class DoubleClaimingStore:
+        def __init__(self, inner: object) -> None:
+            self._inner = inner
+            self._last = None
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self._inner, name)
+
+        async def dequeue_rollout(self, worker_id: str | None = None) -> object:
+            ar = await self._inner.dequeue_rollout(worker_id=worker_id)  # type: ignore[attr-defined]
+            if ar is None and self._last is not None:
+                ar, self._last = self._last, None  # hand the last rollout out once more
+                return ar
+            self._last = ar
+            return ar
+
+    with tempfile.TemporaryDirectory() as workdir:
+        async with tg.open_target("sqlite", workdir) as target:
+            target.store = DoubleClaimingStore(target.store)
+            m = await lifecycle(target, TINY, runners=1, batch=True)
+    assert any("claimed more than once" in p for p in m.problems), m.problems
+
+
+async def test_runner_reports_medians_ratios_and_failed_checks() -> None:
+    lines: list[str] = []
+    report = await run_benchmarks(["W4"], backend="sqlite", repeat=1, size="small", baselines=False, echo=lines.append)
+    assert report.problems == []
+    w4_r8 = next(r for r in report.results if r.case.label == "dequeue R=8")
+    assert set(w4_r8.runs) == {"sqlite", "P0-sqlite"}
+    ratio = w4_r8.ratio("sqlite", "P0")
+    assert ratio is not None and ratio > 0
+    assert any("sqlite/P0 =" in line for line in lines)
+
+    failing = CaseResult(Case("W1", "fake", lifecycle, ("sqlite",)))
+    failing.runs["sqlite"] = [Measurement({"rollouts/s": 1.0}, ["boom"])]
+    assert format_case(failing)[0] == "W1 fake"
