@@ -353,6 +353,7 @@ class SqliteThreadWorker(IoWorker):
         super().__init__(target, schema=schema, options=options)
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._engine: Engine | None = None
+        self._conn: Connection | None = None
         self._data_version: int | None = None
         self._thread = threading.Thread(
             target=self._main, name=f"lightning-sql-io[{target.masked}]", daemon=True
@@ -449,21 +450,35 @@ class SqliteThreadWorker(IoWorker):
                 fut.set_result(result)
             if self.hub.has_waiters:
                 self._poll_data_version()
+        self._drop_connection()
         if self._engine is not None:
             self._engine.dispose()
 
     def _connection(self) -> Connection:
-        if self._engine is None:
-            self._engine = self._make_engine()
-        return self._engine.connect()
+        """The thread's one connection, kept open between units (a checkout per unit costs more
+        than most units)."""
+        if self._conn is None:
+            if self._engine is None:
+                self._engine = self._make_engine()
+            self._conn = self._engine.connect()
+        return self._conn
+
+    def _drop_connection(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                conn.close()
+            except Exception:  # noqa: BLE001 - it is being thrown away
+                logger.debug("closing the SQLite connection failed", exc_info=True)
 
     def _poll_data_version(self) -> None:
         try:
-            with self._connection() as conn:
-                version = conn.exec_driver_sql("PRAGMA data_version").scalar()
-                conn.rollback()
+            conn = self._connection()
+            version = conn.exec_driver_sql("PRAGMA data_version").scalar()
+            conn.rollback()
         except Exception:  # noqa: BLE001 - a failed poll is retried at the next tick
             logger.debug("data_version poll failed", exc_info=True)
+            self._drop_connection()
             return
         if self._data_version is not None and version != self._data_version:
             self.hub.wake(None)
@@ -474,18 +489,21 @@ class SqliteThreadWorker(IoWorker):
         attempt = 0
         while True:
             try:
-                with self._connection() as conn:
-                    if isinstance(unit, SchemaUnit):
-                        self.ensure_schema_locked(conn, auto_migrate=unit.auto_migrate, read_only=unit.read_only)
-                        return None  # type: ignore[return-value]
-                    conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
-                    ctx = UnitContext(conn, "sqlite", attempt=attempt)
+                conn = self._connection()
+                if isinstance(unit, SchemaUnit):
+                    self.ensure_schema_locked(conn, auto_migrate=unit.auto_migrate, read_only=unit.read_only)
+                    return None  # type: ignore[return-value]
+                conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+                ctx = UnitContext(conn, "sqlite", attempt=attempt)
+                try:
+                    result = unit(ctx)
+                    conn.commit()
+                except BaseException:
                     try:
-                        result = unit(ctx)
-                        conn.commit()
-                    except BaseException:
                         conn.rollback()
-                        raise
+                    except BaseException:  # noqa: BLE001 - a broken connection is replaced
+                        self._drop_connection()
+                    raise
                 self._after_commit(ctx)
                 return result
             except BaseException as exc:
