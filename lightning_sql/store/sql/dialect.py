@@ -31,11 +31,23 @@ from lightning_sql.store.sql import schema as s
 from lightning_sql.store.sql.engine import UnitContext
 
 
-def insert(ctx: UnitContext, table: Table) -> Any:
+def insert(ctx: UnitContext | str, table: Table) -> Any:
     """An INSERT that supports ``on_conflict_do_nothing`` / ``on_conflict_do_update`` on both dialects."""
-    if ctx.dialect == "postgresql":
+    dialect = ctx if isinstance(ctx, str) else ctx.dialect
+    if dialect == "postgresql":
         return postgresql.insert(table)
     return sqlite.insert(table)
+
+
+def next_create_seq(dialect: str, table: Table, run_id: Any) -> Any:
+    """An expression giving a fresh insertion position for one new row of ``table`` in a prebuilt
+    statement: the position sequence on PostgreSQL; on SQLite (writers serialised) the run's
+    highest ``create_seq`` + 1, an index lookup."""
+    if dialect == "postgresql":
+        return s.position_seq.next_value()
+    return (
+        select(func.coalesce(func.max(table.c.create_seq), 0) + 1).where(table.c.run_id == run_id).scalar_subquery()
+    )
 
 
 def for_update(ctx: UnitContext, stmt: Select[Any], *, skip_locked: bool = False) -> Select[Any]:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import and_, func, select, tuple_, update
+from sqlalchemy import and_, bindparam, func, select, tuple_, update
 
 from lightning_sql.store.sql import dialect as d
 from lightning_sql.store.sql import schema as s
@@ -22,7 +22,8 @@ from lightning_sql.store.sql.rows import (
     attempted,
     rollout_from_row,
 )
-from lightning_sql.store.sql.workers import sync_worker
+from lightning_sql.store.sql.statements import cached
+from lightning_sql.store.sql.workers import mark_idle_on_empty_queue, sync_worker
 from lightning_sql.types import (
     FINISHED_STATUSES,
     QUEUED_STATUSES,
@@ -325,23 +326,28 @@ def _claim_fresh(
     one_trip = d.claim_in_one_statement(ctx, run_id, now, attempt_ids, worker_id, ROLLOUT_COLUMNS)
     if one_trip is not None:
         return [_attempted_claim(row, row.attempt_id, now, worker_id) for row in one_trip]
-    picked = d.for_update(
-        ctx,
-        select(R.c.rollout_id)
-        .where(R.c.run_id == run_id, R.c.queue_seq.isnot(None))
-        .order_by(R.c.queue_seq)
-        .limit(len(attempt_ids)),
-        skip_locked=True,
+    picked = cached(
+        ("claim_pick", ctx.dialect),
+        lambda: d.for_update(
+            ctx,
+            select(R.c.rollout_id)
+            .where(R.c.run_id == bindparam("c_run_id"), R.c.queue_seq.isnot(None))
+            .order_by(R.c.queue_seq)
+            .limit(bindparam("c_limit")),
+            skip_locked=True,
+        ),
     )
-    ids = [row[0] for row in ctx.conn.execute(picked)]
+    ids = [row[0] for row in ctx.conn.execute(picked, {"c_run_id": run_id, "c_limit": len(attempt_ids)})]
     if not ids:
         return []
-    rows = ctx.conn.execute(
-        update(R)
-        .where(R.c.run_id == run_id, R.c.rollout_id.in_(ids))
+    mark = cached(
+        "claim_mark",
+        lambda: update(R)
+        .where(R.c.run_id == bindparam("c_run_id"), R.c.rollout_id.in_(bindparam("c_ids", expanding=True)))
         .values(status="preparing", queue_seq=None, attempt_count=R.c.attempt_count + 1)
-        .returning(*ROLLOUT_COLUMNS, R.c.attempt_count)
-    ).all()
+        .returning(*ROLLOUT_COLUMNS, R.c.attempt_count),
+    )
+    rows = ctx.conn.execute(mark, {"c_run_id": run_id, "c_ids": ids}).all()
     by_id = {row.rollout_id: row for row in rows}
     attempt_rows = []
     result: list[AttemptedRollout] = []
@@ -359,7 +365,7 @@ def _claim_fresh(
             }
         )
         result.append(_attempted_claim(row, aid, now, worker_id))
-    ctx.conn.execute(A.insert(), attempt_rows)
+    ctx.conn.execute(cached("attempt_insert", A.insert), attempt_rows)
     return result
 
 
@@ -379,37 +385,6 @@ def _attempted_claim(row: Any, attempt_id: str, now: float, worker_id: str | Non
     ar = attempted(row, attempt)
     assert isinstance(ar, AttemptedRollout)
     return ar
-
-
-def mark_idle_on_empty_queue(ctx: UnitContext, run_id: int, now: float, worker_id: str) -> None:
-    """A worker that found nothing to claim: idle (unless already idle), ``last_dequeue_time = now``."""
-    W = s.workers
-    stmt = d.insert(ctx, W).values(
-        run_id=run_id,
-        worker_id=worker_id,
-        status="idle",
-        last_idle_time=now,
-        last_dequeue_time=now,
-        create_seq=d.position_expr(ctx, run_id),
-    )
-    excluded = stmt.excluded
-    stmt = stmt.on_conflict_do_update(
-        index_elements=[W.c.run_id, W.c.worker_id],
-        set_={
-            "last_dequeue_time": excluded.last_dequeue_time,
-            "last_idle_time": func.coalesce(
-                _case_idle(W.c.status, W.c.last_idle_time, excluded.last_idle_time), excluded.last_idle_time
-            ),
-            "status": excluded.status,
-        },
-    )
-    ctx.conn.execute(stmt)
-
-
-def _case_idle(status: Any, current: Any, new: Any) -> Any:
-    from sqlalchemy import case
-
-    return case((status == "idle", current), else_=new)
 
 
 def lock_rollout(ctx: UnitContext, run_id: int, rollout_id: str) -> Any:

@@ -4,26 +4,83 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import bindparam, case, select
 
 from lightning_sql.store.sql import dialect as d
 from lightning_sql.store.sql import schema as s
 from lightning_sql.store.sql.engine import EncodedJson, UnitContext
 from lightning_sql.store.sql.rows import worker_from_row
+from lightning_sql.store.sql.statements import cached
 from lightning_sql.types import Worker
 
 W = s.workers
 
 
-def _upsert(ctx: UnitContext, run_id: int, worker_id: str, insert_values: dict[str, Any], update_cols: list[str]) -> None:
-    stmt = d.insert(ctx, W).values(
-        run_id=run_id, worker_id=worker_id, create_seq=d.position_expr(ctx, run_id), **insert_values
+def _upsert_statement(dialect: str, insert_cols: tuple[str, ...], update_set: tuple[tuple[str, Any], ...]) -> Any:
+    """INSERT ... ON CONFLICT (run_id, worker_id) DO UPDATE, with ``w_<col>`` placeholders."""
+    run_id = bindparam("w_run_id")
+    stmt = d.insert(dialect, W).values(
+        run_id=run_id,
+        worker_id=bindparam("w_worker_id"),
+        create_seq=d.next_create_seq(dialect, W, run_id),
+        **{col: bindparam(f"w_{col}") for col in insert_cols},
     )
-    stmt = stmt.on_conflict_do_update(
-        index_elements=[W.c.run_id, W.c.worker_id],
-        set_={col: stmt.excluded[col] for col in update_cols},
+    excluded = stmt.excluded
+    set_ = {col: (excluded[col] if how == "excluded" else how(excluded)) for col, how in update_set}
+    return stmt.on_conflict_do_update(index_elements=[W.c.run_id, W.c.worker_id], set_=set_)
+
+
+def _upsert(
+    ctx: UnitContext,
+    run_id: int,
+    worker_id: str,
+    insert_values: dict[str, Any],
+    update_set: tuple[tuple[str, Any], ...],
+) -> None:
+    """Create the worker row, or update only the columns of ``update_set`` (a prebuilt statement)."""
+    insert_cols = tuple(insert_values)
+    stmt = cached(
+        ("worker_upsert", ctx.dialect, insert_cols, update_set),
+        lambda: _upsert_statement(ctx.dialect, insert_cols, update_set),
     )
-    ctx.conn.execute(stmt)
+    params = {f"w_{col}": value for col, value in insert_values.items()}
+    params["w_run_id"] = run_id
+    params["w_worker_id"] = worker_id
+    ctx.conn.execute(stmt, params)
+
+
+def _take(*cols: str) -> tuple[tuple[str, Any], ...]:
+    return tuple((col, "excluded") for col in cols)
+
+
+_BUSY = _take("status", "last_busy_time", "current_rollout_id", "current_attempt_id")
+_BUSY_CLAIM = _take("status", "last_busy_time", "current_rollout_id", "current_attempt_id", "last_dequeue_time")
+_DONE = _take("status", "last_idle_time", "current_rollout_id", "current_attempt_id")
+_HEARTBEAT = _take("last_heartbeat_time")
+_HEARTBEAT_STATS = _take("last_heartbeat_time", "heartbeat_stats")
+
+
+def _idle_time_unless_idle(excluded: Any) -> Any:
+    # An already idle worker keeps its last_idle_time (contract §2.4).
+    return case((W.c.status == "idle", W.c.last_idle_time), else_=excluded.last_idle_time)
+
+
+_IDLE_ON_EMPTY = (
+    ("last_dequeue_time", "excluded"),
+    ("last_idle_time", _idle_time_unless_idle),
+    ("status", "excluded"),
+)
+
+
+def mark_idle_on_empty_queue(ctx: UnitContext, run_id: int, now: float, worker_id: str) -> None:
+    """A worker that found nothing to claim: idle (unless already idle), ``last_dequeue_time = now``."""
+    _upsert(
+        ctx,
+        run_id,
+        worker_id,
+        {"status": "idle", "last_idle_time": now, "last_dequeue_time": now},
+        _IDLE_ON_EMPTY,
+    )
 
 
 def sync_worker(
@@ -45,8 +102,10 @@ def sync_worker(
             "current_rollout_id": None,
             "current_attempt_id": None,
         }
+        update_set = _DONE
     elif attempt_status in ("timeout", "unresponsive"):
         values = {"status": "unknown", "last_idle_time": now, "current_rollout_id": None, "current_attempt_id": None}
+        update_set = _DONE
     else:
         values = {
             "status": "busy",
@@ -54,25 +113,29 @@ def sync_worker(
             "current_rollout_id": rollout_id,
             "current_attempt_id": attempt_id,
         }
+        update_set = _BUSY
         if claim:
             values["last_dequeue_time"] = now
-    _upsert(ctx, run_id, worker_id, values, list(values))
+            update_set = _BUSY_CLAIM
+    _upsert(ctx, run_id, worker_id, values, update_set)
 
 
 def update_worker(
     ctx: UnitContext, run_id: int, now: float, worker_id: str, stats: EncodedJson | None, stats_given: bool
 ) -> Worker:
     values: dict[str, Any] = {"status": "unknown", "last_heartbeat_time": now}
-    update_cols = ["last_heartbeat_time"]
     if stats_given:
         values["heartbeat_stats"] = stats
-        update_cols.append("heartbeat_stats")
-    _upsert(ctx, run_id, worker_id, values, update_cols)
+    _upsert(ctx, run_id, worker_id, values, _HEARTBEAT_STATS if stats_given else _HEARTBEAT)
     worker = get_worker(ctx, run_id, worker_id)
     assert worker is not None
     return worker
 
 
 def get_worker(ctx: UnitContext, run_id: int, worker_id: str) -> Worker | None:
-    row = ctx.conn.execute(select(W).where(W.c.run_id == run_id, W.c.worker_id == worker_id)).first()
+    stmt = cached(
+        "worker_by_id",
+        lambda: select(W).where(W.c.run_id == bindparam("w_run_id"), W.c.worker_id == bindparam("w_worker_id")),
+    )
+    row = ctx.conn.execute(stmt, {"w_run_id": run_id, "w_worker_id": worker_id}).first()
     return worker_from_row(row) if row is not None else None
