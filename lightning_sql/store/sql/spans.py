@@ -10,11 +10,12 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import case, select, tuple_, update
+from sqlalchemy import bindparam, case, select, tuple_, update
 
 from lightning_sql.store.sql import dialect as d
 from lightning_sql.store.sql import schema as s
 from lightning_sql.store.sql.engine import UnitContext
+from lightning_sql.store.sql.statements import cached
 from lightning_sql.types import QUEUED_STATUSES, Span
 
 logger = logging.getLogger("lightning_sql.store")
@@ -26,15 +27,27 @@ S = s.spans
 
 def _lock_rollouts(ctx: UnitContext, run_id: int, rollout_ids: Sequence[str]) -> dict[str, Any]:
     ids = sorted(set(rollout_ids))
-    rows = ctx.conn.execute(
-        d.for_update(
+    stmt = cached(
+        ("span_lock_rollouts", ctx.dialect),
+        lambda: d.for_update(
             ctx,
             select(R.c.rollout_id, R.c.status, R.c.span_seq, R.c.attempt_count)
-            .where(R.c.run_id == run_id, R.c.rollout_id.in_(ids))
+            .where(R.c.run_id == bindparam("s_run_id"), R.c.rollout_id.in_(bindparam("s_ids", expanding=True)))
             .order_by(R.c.rollout_id),
-        )
-    ).all()
+        ),
+    )
+    rows = ctx.conn.execute(stmt, {"s_run_id": run_id, "s_ids": ids}).all()
     return {row.rollout_id: row for row in rows}
+
+
+def _set_span_seq(ctx: UnitContext, run_id: int, rollout_id: str, value: int) -> None:
+    stmt = cached(
+        "span_set_counter",
+        lambda: update(R)
+        .where(R.c.run_id == bindparam("s_run_id"), R.c.rollout_id == bindparam("s_rollout_id"))
+        .values(span_seq=bindparam("s_value")),
+    )
+    ctx.conn.execute(stmt, {"s_run_id": run_id, "s_rollout_id": rollout_id, "s_value": value})
 
 
 def reserve_sequence_ids(ctx: UnitContext, run_id: int, pairs: Sequence[tuple[str, str]]) -> list[int]:
@@ -51,9 +64,7 @@ def reserve_sequence_ids(ctx: UnitContext, run_id: int, pairs: Sequence[tuple[st
     next_value: dict[str, int] = {}
     for rid in sorted(counts):
         start = int(locked[rid].span_seq)
-        ctx.conn.execute(
-            update(R).where(R.c.run_id == run_id, R.c.rollout_id == rid).values(span_seq=start + counts[rid])
-        )
+        _set_span_seq(ctx, run_id, rid, start + counts[rid])
         next_value[rid] = start + 1
     out = []
     for rid, _aid in pairs:
@@ -85,17 +96,7 @@ def add_spans(
     for rid, _aid in groups:
         if rid not in locked:
             raise ValueError(f"Rollout {rid} not found")
-    attempt_rows = {
-        (row.rollout_id, row.attempt_id): row
-        for row in ctx.conn.execute(
-            d.for_update(
-                ctx,
-                select(A.c.rollout_id, A.c.attempt_id, A.c.sequence_id, A.c.status)
-                .where(A.c.run_id == run_id, tuple_(A.c.rollout_id, A.c.attempt_id).in_(sorted(groups)))
-                .order_by(A.c.rollout_id, A.c.attempt_id),
-            )
-        )
-    }
+    attempt_rows = {(row.rollout_id, row.attempt_id): row for row in _lock_attempts(ctx, run_id, sorted(groups))}
     for rid, aid in groups:
         if (rid, aid) not in attempt_rows:
             raise ValueError(f"Attempt {aid} not found for rollout {rid}")
@@ -112,9 +113,7 @@ def add_spans(
         highest[span.rollout_id] = max(highest.get(span.rollout_id, 0), span.sequence_id)
     for rid in sorted(highest):
         if highest[rid] > int(locked[rid].span_seq):
-            ctx.conn.execute(
-                update(R).where(R.c.run_id == run_id, R.c.rollout_id == rid).values(span_seq=highest[rid])
-            )
+            _set_span_seq(ctx, run_id, rid, highest[rid])
 
     # Repeats inside the batch are duplicates too; keep the first.
     unique_rows: list[dict[str, Any]] = []
@@ -128,13 +127,11 @@ def add_spans(
         seen.add(key)
         unique_rows.append(row)
         unique_index.append(index)
-    inserted_keys = {
-        (r[0], r[1], r[2])
-        for r in ctx.conn.execute(
-            d.insert(ctx, S).on_conflict_do_nothing().returning(S.c.rollout_id, S.c.attempt_id, S.c.span_id),
-            unique_rows,
-        )
-    }
+    insert_spans = cached(
+        ("span_insert", ctx.dialect),
+        lambda: d.insert(ctx, S).on_conflict_do_nothing().returning(S.c.rollout_id, S.c.attempt_id, S.c.span_id),
+    )
+    inserted_keys = {(r[0], r[1], r[2]) for r in ctx.conn.execute(insert_spans, unique_rows)}
     inserted: list[Span] = []
     touched: set[tuple[str, str]] = set()
     for index in unique_index:
@@ -162,18 +159,53 @@ def _log_duplicate(span: Span) -> None:
     )
 
 
-def _heartbeat(ctx: UnitContext, run_id: int, now: float, rid: str, aid: str, rollout: Any, attempt: Any) -> None:
-    ctx.conn.execute(
-        update(A)
-        .where(A.c.run_id == run_id, A.c.rollout_id == rid, A.c.attempt_id == aid)
-        .values(
-            last_heartbeat_time=now,
-            status=case((A.c.status.in_(("preparing", "unresponsive")), "running"), else_=A.c.status),
+def _lock_attempts(ctx: UnitContext, run_id: int, pairs: list[tuple[str, str]]) -> list[Any]:
+    if len(pairs) == 1:
+        stmt = cached(
+            ("span_lock_attempt", ctx.dialect),
+            lambda: d.for_update(
+                ctx,
+                select(A.c.rollout_id, A.c.attempt_id, A.c.sequence_id, A.c.status).where(
+                    A.c.run_id == bindparam("s_run_id"),
+                    A.c.rollout_id == bindparam("s_rollout_id"),
+                    A.c.attempt_id == bindparam("s_attempt_id"),
+                ),
+            ),
+        )
+        ((rid, aid),) = pairs
+        return list(ctx.conn.execute(stmt, {"s_run_id": run_id, "s_rollout_id": rid, "s_attempt_id": aid}))
+    return list(
+        ctx.conn.execute(
+            d.for_update(
+                ctx,
+                select(A.c.rollout_id, A.c.attempt_id, A.c.sequence_id, A.c.status)
+                .where(A.c.run_id == run_id, tuple_(A.c.rollout_id, A.c.attempt_id).in_(pairs))
+                .order_by(A.c.rollout_id, A.c.attempt_id),
+            )
         )
     )
-    if attempt.sequence_id == rollout.attempt_count and rollout.status in ("preparing", *QUEUED_STATUSES):
-        ctx.conn.execute(
-            update(R)
-            .where(R.c.run_id == run_id, R.c.rollout_id == rid)
-            .values(status="running", queue_seq=None)
+
+
+def _heartbeat(ctx: UnitContext, run_id: int, now: float, rid: str, aid: str, rollout: Any, attempt: Any) -> None:
+    beat = cached(
+        "span_heartbeat",
+        lambda: update(A)
+        .where(
+            A.c.run_id == bindparam("s_run_id"),
+            A.c.rollout_id == bindparam("s_rollout_id"),
+            A.c.attempt_id == bindparam("s_attempt_id"),
         )
+        .values(
+            last_heartbeat_time=bindparam("s_now"),
+            status=case((A.c.status.in_(("preparing", "unresponsive")), "running"), else_=A.c.status),
+        ),
+    )
+    ctx.conn.execute(beat, {"s_run_id": run_id, "s_rollout_id": rid, "s_attempt_id": aid, "s_now": now})
+    if attempt.sequence_id == rollout.attempt_count and rollout.status in ("preparing", *QUEUED_STATUSES):
+        promote = cached(
+            "span_promote",
+            lambda: update(R)
+            .where(R.c.run_id == bindparam("s_run_id"), R.c.rollout_id == bindparam("s_rollout_id"))
+            .values(status="running", queue_seq=None),
+        )
+        ctx.conn.execute(promote, {"s_run_id": run_id, "s_rollout_id": rid})

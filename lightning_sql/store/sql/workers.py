@@ -18,7 +18,7 @@ W = s.workers
 
 def _upsert_statement(dialect: str, insert_cols: tuple[str, ...], update_set: tuple[tuple[str, Any], ...]) -> Any:
     """INSERT ... ON CONFLICT (run_id, worker_id) DO UPDATE, with ``w_<col>`` placeholders."""
-    run_id = bindparam("w_run_id")
+    run_id: Any = bindparam("w_run_id")
     stmt = d.insert(dialect, W).values(
         run_id=run_id,
         worker_id=bindparam("w_worker_id"),
