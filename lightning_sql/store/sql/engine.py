@@ -325,6 +325,15 @@ class IoWorker:
     def close(self) -> None:
         raise NotImplementedError
 
+    def _open_migration_lock(self) -> Any:
+        """The SQLite sidecar lock file ``<db>.migrate.lock``; a path that cannot be opened means the
+        database cannot be either (StoreUnavailableError, at once)."""
+        assert self.target.path is not None
+        try:
+            return open(self.target.path + ".migrate.lock", "a+")  # noqa: SIM115 - closed by the caller
+        except OSError as exc:
+            raise self._unavailable(exc) from exc
+
     def _reason(self, exc: BaseException) -> str:
         """The driver's reason, first line only (no SQL text), with any password masked."""
         orig = getattr(exc, "orig", None) or exc
@@ -401,7 +410,7 @@ class SqliteThreadWorker(IoWorker):
         lock_file = None
         try:
             if self.target.path is not None and not read_only:
-                lock_file = open(self.target.path + ".migrate.lock", "a+")  # noqa: SIM115
+                lock_file = self._open_migration_lock()
                 fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX)
             # Batch migrations rebuild tables: foreign keys go off *before* the transaction
             # (SQLite ignores the pragma inside one) and are checked by migrate.upgrade.
@@ -506,6 +515,8 @@ class SqliteThreadWorker(IoWorker):
                     raise
                 self._after_commit(ctx)
                 return result
+            except StoreUnavailableError:
+                raise  # already decided: no retry
             except BaseException as exc:
                 kind = classify_error(exc)
                 if kind == "unavailable":
@@ -647,7 +658,7 @@ class AsyncLoopWorker(IoWorker):
                 return
             assert self._engine is not None
             if self.target.kind == "aiosqlite" and self.target.path is not None and not unit.read_only:
-                lock_file = open(self.target.path + ".migrate.lock", "a+")  # noqa: SIM115
+                lock_file = self._open_migration_lock()
                 await asyncio.to_thread(fcntl.flock, lock_file.fileno(), fcntl.LOCK_EX)
             else:
                 lock_file = None
@@ -701,6 +712,8 @@ class AsyncLoopWorker(IoWorker):
                 return await self._once(unit, write, attempt)
             except asyncio.CancelledError:
                 raise
+            except StoreUnavailableError:
+                raise  # already decided: no retry
             except BaseException as exc:
                 kind = classify_error(exc)
                 if kind == "unavailable":

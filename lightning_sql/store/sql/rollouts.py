@@ -277,7 +277,7 @@ def start_rollout(
 
 def _attempt(ctx: UnitContext, run_id: int, rollout_id: str, attempt_id: str) -> Attempt | None:
     row = ctx.conn.execute(
-        select(A).where(A.c.run_id == run_id, A.c.rollout_id == rollout_id, A.c.attempt_id == attempt_id)
+        _ATTEMPT_BY_ID, {"r_run_id": run_id, "r_rollout_id": rollout_id, "r_attempt_id": attempt_id}
     ).first()
     return attempt_from_row(row) if row is not None else None
 
@@ -387,13 +387,44 @@ def _attempted_claim(row: Any, attempt_id: str, now: float, worker_id: str | Non
     return ar
 
 
-def lock_rollout(ctx: UnitContext, run_id: int, rollout_id: str) -> Any:
-    """The rollout row, locked for the rest of the unit (PostgreSQL), or None."""
-    return ctx.conn.execute(
-        d.for_update(ctx, select(*ROLLOUT_COLUMNS, R.c.attempt_count, R.c.queue_seq).where(
-            R.c.run_id == run_id, R.c.rollout_id == rollout_id
-        ))
-    ).first()
+def lock_rollout(ctx: UnitContext, run_id: int, rollout_id: str, *, lock: bool = True) -> Any:
+    """The rollout row, locked for the rest of the unit (PostgreSQL) unless ``lock=False``, or None."""
+    stmt = cached(
+        ("rollout_row", ctx.dialect, lock),
+        lambda: (d.for_update(ctx, _ROLLOUT_ROW) if lock else _ROLLOUT_ROW),
+    )
+    return ctx.conn.execute(stmt, {"r_run_id": run_id, "r_rollout_id": rollout_id}).first()
+
+
+_ROLLOUT_ROW = select(*ROLLOUT_COLUMNS, R.c.attempt_count, R.c.queue_seq).where(
+    R.c.run_id == bindparam("r_run_id"), R.c.rollout_id == bindparam("r_rollout_id")
+)
+_ATTEMPT_BY_ID = select(A).where(
+    A.c.run_id == bindparam("r_run_id"),
+    A.c.rollout_id == bindparam("r_rollout_id"),
+    A.c.attempt_id == bindparam("r_attempt_id"),
+)
+_ATTEMPT_BY_SEQ = select(A).where(
+    A.c.run_id == bindparam("r_run_id"),
+    A.c.rollout_id == bindparam("r_rollout_id"),
+    A.c.sequence_id == bindparam("r_sequence_id"),
+)
+
+
+def _update_where(table: Any, keys: tuple[str, ...], cols: tuple[str, ...]) -> Any:
+    """UPDATE table SET <cols> WHERE <keys>, with ``u_<name>`` placeholders."""
+    return (
+        update(table)
+        .where(*(table.c[k] == bindparam(f"u_{k}") for k in keys))
+        .values({c: bindparam(f"u_{c}") for c in cols})
+    )
+
+
+def _update_row(ctx: UnitContext, table: Any, keys: dict[str, Any], values: dict[str, Any]) -> None:
+    """Write ``values`` into the row named by ``keys`` through a prebuilt statement."""
+    key_names, cols = tuple(keys), tuple(values)
+    stmt = cached(("update_row", table.name, key_names, cols), lambda: _update_where(table, key_names, cols))
+    ctx.conn.execute(stmt, {**{f"u_{k}": v for k, v in keys.items()}, **{f"u_{c}": v for c, v in values.items()}})
 
 
 def start_attempt(
@@ -478,14 +509,7 @@ def update_rollout(
 
 def resolve_attempt(ctx: UnitContext, run_id: int, rollout_id: str, attempt_id: str, *, lock: bool) -> tuple[Any, Any]:
     """(rollout row, attempt row) per the resolution order of contract §2.7, or raise its errors."""
-    if lock:
-        row = lock_rollout(ctx, run_id, rollout_id)
-    else:
-        row = ctx.conn.execute(
-            select(*ROLLOUT_COLUMNS, R.c.attempt_count, R.c.queue_seq).where(
-                R.c.run_id == run_id, R.c.rollout_id == rollout_id
-            )
-        ).first()
+    row = lock_rollout(ctx, run_id, rollout_id, lock=lock)
     if row is None:
         raise ValueError(f"Rollout {rollout_id} not found")
     if row.attempt_count == 0:
@@ -494,13 +518,15 @@ def resolve_attempt(ctx: UnitContext, run_id: int, rollout_id: str, attempt_id: 
         # A concrete id that cannot exist in the database (NUL, lone surrogate, too long): it matches
         # nothing, reported after the rollout checks above (§2.7 resolution order).
         raise ValueError(f"Attempt {attempt_id} not found for rollout {rollout_id}")
-    where = [A.c.run_id == run_id, A.c.rollout_id == rollout_id]
-    if attempt_id == "latest":
-        where.append(A.c.sequence_id == row.attempt_count)
+    latest = attempt_id == "latest"
+    base = _ATTEMPT_BY_SEQ if latest else _ATTEMPT_BY_ID
+    stmt = cached(("attempt_row", ctx.dialect, latest, lock), lambda: d.for_update(ctx, base) if lock else base)
+    params = {"r_run_id": run_id, "r_rollout_id": rollout_id}
+    if latest:
+        params["r_sequence_id"] = row.attempt_count
     else:
-        where.append(A.c.attempt_id == attempt_id)
-    stmt = select(A).where(*where)
-    attempt_row = ctx.conn.execute(d.for_update(ctx, stmt) if lock else stmt).first()
+        params["r_attempt_id"] = attempt_id
+    attempt_row = ctx.conn.execute(stmt, params).first()
     if attempt_row is None:
         if attempt_id == "latest":
             raise ValueError(f"No attempts found for rollout {rollout_id}")
@@ -520,9 +546,7 @@ def update_attempt(
         values["end_time"] = now
     aid = attempt_row.attempt_id
     if values:
-        ctx.conn.execute(
-            update(A).where(A.c.run_id == run_id, A.c.rollout_id == rollout_id, A.c.attempt_id == aid).values(**values)
-        )
+        _update_row(ctx, A, {"run_id": run_id, "rollout_id": rollout_id, "attempt_id": aid}, values)
     new_attempt = _attempt(ctx, run_id, rollout_id, aid)
     assert new_attempt is not None
     if "status" in changes and attempt_row.sequence_id == row.attempt_count and row.status != "cancelled":
@@ -539,9 +563,7 @@ def update_attempt(
                 rvalues["end_time"] = now
                 ctx.announce(run_id, "finished")
             rvalues.update(enter_or_leave_queue(ctx, run_id, row.status, new_status, row.queue_seq))
-            ctx.conn.execute(
-                update(R).where(R.c.run_id == run_id, R.c.rollout_id == rollout_id).values(**rvalues)
-            )
+            _update_row(ctx, R, {"run_id": run_id, "rollout_id": rollout_id}, rvalues)
     wid = new_attempt.worker_id
     if ("worker_id" in changes and changes["worker_id"]) or ("status" in changes and wid):
         assert wid is not None
@@ -553,10 +575,11 @@ def touch_attempt(ctx: UnitContext, run_id: int, now: float, rollout_id: str, at
     # Lock order (§2.17): the rollout row first, so a concurrent sweep either skips this rollout or has
     # committed its verdict before the heartbeat lands (never judges a heartbeat it did not see).
     _row, attempt_row = resolve_attempt(ctx, run_id, rollout_id, attempt_id, lock=True)
-    ctx.conn.execute(
-        update(A)
-        .where(A.c.run_id == run_id, A.c.rollout_id == rollout_id, A.c.attempt_id == attempt_row.attempt_id)
-        .values(last_heartbeat_time=now)
+    _update_row(
+        ctx,
+        A,
+        {"run_id": run_id, "rollout_id": rollout_id, "attempt_id": attempt_row.attempt_id},
+        {"last_heartbeat_time": now},
     )
     attempt = attempt_from_row(attempt_row)
     attempt.last_heartbeat_time = now

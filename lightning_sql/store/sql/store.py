@@ -16,6 +16,7 @@ import os
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any, Literal, TypeVar
@@ -108,6 +109,23 @@ def _storable(value: str | None) -> bool:
     except (ValueError, TypeError):
         return False
     return True
+
+
+# Every live instance of this process, so that a forked child can reset their per-process state.
+_INSTANCES: weakref.WeakSet[SqlLightningStore] = weakref.WeakSet()
+
+
+def _reset_instances_after_fork() -> None:
+    # Runs in the child right after fork(), single-threaded: locks held by the parent's other threads
+    # and flags of the parent's in-flight calls (a lazy sweep, waits) do not belong to the child.
+    for instance in list(_INSTANCES):
+        instance._sweep_lock = threading.Lock()
+        instance._attach_lock = threading.Lock()
+        instance._sweeping = False
+        instance._waits = set()
+
+
+os.register_at_fork(after_in_child=_reset_instances_after_fork)
 
 
 def _generated_run_name() -> str:
@@ -216,6 +234,11 @@ class SqlLightningStore(LightningStore):
         self._sweeping = False
         self._attach_lock = threading.Lock()
         self._closed = False
+        # Waits in progress on this instance and the number of close() calls so far: close() wakes
+        # them and they end (§4 close releases this instance's waiters).
+        self._waits: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
+        self._close_count = 0
+        _INSTANCES.add(self)
 
     # --- pickling, repr -------------------------------------------------------------------------
 
@@ -238,6 +261,8 @@ class SqlLightningStore(LightningStore):
                 "_pid",
                 "_created_monotonic",
                 "_closed",
+                "_waits",
+                "_close_count",
             )
         }
         return state
@@ -404,6 +429,12 @@ class SqlLightningStore(LightningStore):
             self._last_sweep = now
             return True
 
+    async def _sweep_only(self) -> None:
+        """The [sweeps] part of a call that has nothing else to do (empty batch, unmatchable id)."""
+        worker, run_id = await self._prepare()
+        assert run_id is not None
+        await self._maybe_sweep(worker, run_id)
+
     async def _maybe_sweep(self, worker: IoWorker, run_id: int) -> None:
         if not self._sweep_due():
             return
@@ -519,6 +550,7 @@ class SqlLightningStore(LightningStore):
                 )
             )
         if not items:
+            await self._sweep_only()
             return []
         return await self._call(
             "enqueue_many_rollouts", lambda ctx, run_id, now: ro.enqueue(ctx, run_id, now, items), write=True, sweeps=True
@@ -540,9 +572,7 @@ class SqlLightningStore(LightningStore):
         attempt_ids = [new_attempt_id() for _ in range(max(limit, 0))]
         if not attempt_ids and worker_id is None:
             # Nothing to claim and no worker to mark idle: only the [sweeps] part of the call remains.
-            worker, run_id = await self._prepare()
-            assert run_id is not None
-            await self._maybe_sweep(worker, run_id)
+            await self._sweep_only()
             return []
         return await self._call(
             method,
@@ -652,10 +682,10 @@ class SqlLightningStore(LightningStore):
 
     @staticmethod
     def _check_ids_for_attempt(rollout_id: str, attempt_id: str) -> None:
+        # Only the rollout can be decided without I/O: an unstorable attempt id is a concrete id that
+        # matches nothing, resolved in the unit after the rollout checks (§2.7 resolution order).
         if not _storable(rollout_id):
             raise ValueError(f"Rollout {rollout_id} not found")
-        if not _storable(attempt_id):
-            raise ValueError(f"Attempt {attempt_id} not found for rollout {rollout_id}")
 
     async def touch_attempt(self, rollout_id: str, attempt_id: str) -> Attempt:
         """A runner's heartbeat for one attempt, stamped with the store clock (no status change)."""
@@ -732,6 +762,7 @@ class SqlLightningStore(LightningStore):
 
     async def get_rollout_by_id(self, rollout_id: str) -> Rollout | AttemptedRollout | None:
         if not _storable(rollout_id):
+            await self._sweep_only()
             return None
         return await self._call(
             "get_rollout_by_id",
@@ -771,6 +802,7 @@ class SqlLightningStore(LightningStore):
 
     async def get_latest_attempt(self, rollout_id: str) -> Attempt | None:
         if not _storable(rollout_id):
+            await self._sweep_only()
             return None
         return await self._call(
             "get_latest_attempt",
@@ -780,6 +812,21 @@ class SqlLightningStore(LightningStore):
         )
 
     # --- waits ----------------------------------------------------------------------------------
+
+    def _register_wait(self, worker: IoWorker, run_id: int) -> tuple[tuple[asyncio.AbstractEventLoop, asyncio.Event], int]:
+        entry = worker.hub.register(run_id)
+        with self._attach_lock:
+            self._waits.add(entry)
+            return entry, self._close_count
+
+    def _unregister_wait(self, worker: IoWorker, run_id: int, entry: tuple[asyncio.AbstractEventLoop, asyncio.Event]) -> None:
+        worker.hub.unregister(run_id, entry)
+        with self._attach_lock:
+            self._waits.discard(entry)
+
+    def _check_not_closed_since(self, method: str, close_count: int) -> None:
+        if self._close_count != close_count:
+            raise RuntimeError(f"{method}(): the store was closed while waiting")
 
     async def wait_for_rollouts(
         self,
@@ -794,6 +841,7 @@ class SqlLightningStore(LightningStore):
             raise TypeError(f"timeout must be a number or None, got {timeout!r}")
         ids = [rid for rid in f.check_str_list(rollout_ids, "rollout_ids") or [] if _storable(rid)]
         if not ids:
+            await self._sweep_only()
             return []
         worker, run_id = await self._prepare()
         assert run_id is not None
@@ -807,9 +855,10 @@ class SqlLightningStore(LightningStore):
             await self._maybe_sweep(worker, run_id)
             return await self._submit(worker, lambda ctx: ro.finished_rollouts(ctx, run_id, ids), write=False)
 
-        entry = worker.hub.register(run_id)
+        entry, close_count = self._register_wait(worker, run_id)
         try:
             while True:
+                self._check_not_closed_since("wait_for_rollouts", close_count)
                 entry[1].clear()
                 result = await read()
                 if done(result) or (deadline is not None and time.monotonic() >= deadline):
@@ -823,7 +872,7 @@ class SqlLightningStore(LightningStore):
                     pass
                 await asyncio.sleep(WAIT_MIN_INTERVAL_S)
         finally:
-            worker.hub.unregister(run_id, entry)
+            self._unregister_wait(worker, run_id, entry)
 
     async def wait_for_queue(self, timeout: float) -> bool:
         """True as soon as the run's queue holds work (claims nothing), False at the timeout."""
@@ -832,9 +881,10 @@ class SqlLightningStore(LightningStore):
         worker, run_id = await self._prepare()
         assert run_id is not None
         deadline = time.monotonic() + max(float(timeout), 0.0)
-        entry = worker.hub.register(run_id)
+        entry, close_count = self._register_wait(worker, run_id)
         try:
             while True:
+                self._check_not_closed_since("wait_for_queue", close_count)
                 entry[1].clear()
                 if await self._submit(worker, lambda ctx: ro.has_queued(ctx, run_id), write=False):
                     return True
@@ -846,7 +896,7 @@ class SqlLightningStore(LightningStore):
                 except TimeoutError:
                     pass
         finally:
-            worker.hub.unregister(run_id, entry)
+            self._unregister_wait(worker, run_id, entry)
 
     # --- spans ----------------------------------------------------------------------------------
 
@@ -891,6 +941,16 @@ class SqlLightningStore(LightningStore):
     ) -> Span | None:
         self._check_writable("add_otel_span")
         self._check_ids_for_attempt(rollout_id, attempt_id)
+        if not _storable(attempt_id):
+            # Validate the rollout before the attempt (§2.9), then report the attempt as missing.
+            exists = await self._call(
+                "add_otel_span",
+                lambda ctx, run_id, now: ro.rollout_exists(ctx, run_id, rollout_id),
+                write=False,
+            )
+            if not exists:
+                raise ValueError(f"Rollout {rollout_id} not found")
+            raise ValueError(f"Attempt {attempt_id} not found for rollout {rollout_id}")
         span = Span.from_opentelemetry(
             readable_span, rollout_id=rollout_id, attempt_id=attempt_id, sequence_id=sequence_id or 0
         )
@@ -1186,6 +1246,13 @@ class SqlLightningStore(LightningStore):
             worker, self._worker = self._worker, None
             self._closed = True
             self._run_id = None if self._target.kind == "sqlite-memory" else self._run_id
+            self._close_count += 1
+            waits = list(self._waits)
+        for loop, event in waits:  # release this instance's waiters: they wake and end
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:  # the waiter's loop is closed
+                pass
         if worker is not None and worker.pid == os.getpid():
             release_worker(worker)
 

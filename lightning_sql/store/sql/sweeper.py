@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from sqlalchemy import and_, bindparam, literal, or_, select, update
+from sqlalchemy import and_, bindparam, case, literal, or_, select, tuple_, update
 
 from lightning_sql.store.sql import dialect as d
 from lightning_sql.store.sql import schema as s
@@ -20,6 +20,12 @@ from lightning_sql.types import IN_FLIGHT_STATUSES, RolloutConfig, rollout_statu
 R = s.rollouts
 A = s.attempts
 W = s.workers
+
+# "Still in flight" inside executemany updates (which cannot expand an IN list of bound values).
+_STILL_IN_FLIGHT = or_(*(R.c.status == status for status in IN_FLIGHT_STATUSES))
+
+# Attempts re-checked and updated per statement (3 bound values each: well within driver limits).
+RECHECK_CHUNK = 500
 
 
 def expire_leases(ctx: UnitContext, run_id: int | None, now: float) -> int:
@@ -64,15 +70,39 @@ def expire_leases(ctx: UnitContext, run_id: int | None, now: float) -> int:
     if not hits:
         return 0
 
-    attempt_updates: list[dict[str, Any]] = []
+    # Re-check every condition on the rows we change (§2.15): the candidate SELECT read the attempts
+    # under its statement snapshot, and on PostgreSQL a heartbeat that committed after that snapshot
+    # but before the rollout row was locked is visible only to a later statement.  So the UPDATE
+    # itself requires the attempt to still be its in-flight rollout's latest and its limit to still be
+    # exceeded, and decides timeout vs unresponsive again; only the attempts it changed move on.
+    by_key = {(hit.run_id, hit.rollout_id, hit.attempt_id): hit for hit in hits}
+    keys = list(by_key)
+    changed: list[tuple[Any, str]] = []
+    for start in range(0, len(keys), RECHECK_CHUNK):
+        chunk = keys[start : start + RECHECK_CHUNK]
+        rows = ctx.conn.execute(
+            update(A)
+            .where(
+                tuple_(A.c.run_id, A.c.rollout_id, A.c.attempt_id).in_(chunk),
+                R.c.run_id == A.c.run_id,
+                R.c.rollout_id == A.c.rollout_id,
+                R.c.attempt_count == A.c.sequence_id,
+                R.c.status.in_(IN_FLIGHT_STATUSES),
+                or_(timed_out, silent),
+            )
+            .values(status=case((timed_out, "timeout"), else_="unresponsive"))
+            .returning(A.c.run_id, A.c.rollout_id, A.c.attempt_id, A.c.status)
+        ).all()
+        for row in rows:
+            changed.append((by_key[(row.run_id, row.rollout_id, row.attempt_id)], row.status))
+    if not changed:
+        return 0
+    changed.sort(key=lambda item: (item[0].run_id, item[0].rollout_id))  # queue tail in rollout_id order
+
     requeue: dict[int, list[Any]] = defaultdict(list)
     fail: list[dict[str, Any]] = []
     workers: list[dict[str, Any]] = []
-    for hit in hits:
-        new_attempt_status = "timeout" if hit.timed_out else "unresponsive"
-        attempt_updates.append(
-            {"b_run": hit.run_id, "b_rollout": hit.rollout_id, "b_attempt": hit.attempt_id, "b_status": new_attempt_status}
-        )
+    for hit, new_attempt_status in changed:
         config = RolloutConfig.model_construct(max_attempts=hit.max_attempts, retry_condition=list(hit.retry_condition or []))
         if rollout_status_from_attempt(new_attempt_status, hit.sequence_id, config) == "requeuing":
             requeue[hit.run_id].append(hit)
@@ -81,16 +111,6 @@ def expire_leases(ctx: UnitContext, run_id: int | None, now: float) -> int:
         if hit.worker_id:
             workers.append({"b_run": hit.run_id, "b_worker": hit.worker_id, "b_attempt": hit.attempt_id})
 
-    ctx.conn.execute(
-        update(A)
-        .where(
-            A.c.run_id == bindparam("b_run"),
-            A.c.rollout_id == bindparam("b_rollout"),
-            A.c.attempt_id == bindparam("b_attempt"),
-        )
-        .values(status=bindparam("b_status")),
-        attempt_updates,
-    )
     requeue_params: list[dict[str, Any]] = []
     for rid_run, run_hits in requeue.items():
         positions = d.allocate_positions(ctx, rid_run, len(run_hits))
@@ -100,14 +120,22 @@ def expire_leases(ctx: UnitContext, run_id: int | None, now: float) -> int:
     if requeue_params:
         ctx.conn.execute(
             update(R)
-            .where(R.c.run_id == bindparam("b_run"), R.c.rollout_id == bindparam("b_rollout"))
+            .where(
+                R.c.run_id == bindparam("b_run"),
+                R.c.rollout_id == bindparam("b_rollout"),
+                _STILL_IN_FLIGHT,
+            )
             .values(status="requeuing", queue_seq=bindparam("b_pos")),
             requeue_params,
         )
     if fail:
         ctx.conn.execute(
             update(R)
-            .where(R.c.run_id == bindparam("b_run"), R.c.rollout_id == bindparam("b_rollout"))
+            .where(
+                R.c.run_id == bindparam("b_run"),
+                R.c.rollout_id == bindparam("b_rollout"),
+                _STILL_IN_FLIGHT,
+            )
             .values(status="failed", end_time=now, queue_seq=None),
             fail,
         )
@@ -124,4 +152,4 @@ def expire_leases(ctx: UnitContext, run_id: int | None, now: float) -> int:
             .values(status="unknown", last_idle_time=now, current_rollout_id=None, current_attempt_id=None),
             workers,
         )
-    return len(hits)
+    return len(changed)
