@@ -57,7 +57,7 @@ def for_update(ctx: UnitContext, stmt: Select[Any], *, skip_locked: bool = False
     return stmt
 
 
-def contains(ctx: UnitContext, column: Any, needle: str) -> ColumnElement[bool]:
+def contains(ctx: UnitContext, column: Any, needle: Any) -> ColumnElement[bool]:
     """Case-sensitive substring test with no LIKE metacharacters (contract §2.17)."""
     if ctx.dialect == "postgresql":
         return func.strpos(column, needle) > 0

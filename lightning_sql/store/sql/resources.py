@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import bindparam, select
 
 from lightning_sql.store.sql import dialect as d
 from lightning_sql.store.sql import schema as s
@@ -77,13 +77,13 @@ def update_resources(
 
 
 def get_resources(ctx: UnitContext, run_id: int, resources_id: str, version: int | None) -> ResourcesUpdate | None:
-    row = ctx.conn.execute(select(RS).where(RS.c.run_id == run_id, RS.c.resources_id == resources_id)).first()
+    row = ctx.conn.execute(_BY_ID, {"r_run_id": run_id, "r_resources_id": resources_id}).first()
     if row is None:
         return None
     if version is None:
         return resources_from_row(row)
     hist = ctx.conn.execute(
-        select(RV).where(RV.c.run_id == run_id, RV.c.resources_id == resources_id, RV.c.version == version)
+        _VERSION, {"r_run_id": run_id, "r_resources_id": resources_id, "r_version": version}
     ).first()
     if hist is None:
         return None
@@ -99,7 +99,15 @@ def get_resources(ctx: UnitContext, run_id: int, resources_id: str, version: int
 
 
 def get_latest(ctx: UnitContext, run_id: int) -> ResourcesUpdate | None:
-    row = ctx.conn.execute(
-        select(RS).where(RS.c.run_id == run_id).order_by(RS.c.touch_seq.desc()).limit(1)
-    ).first()
+    row = ctx.conn.execute(_LATEST, {"r_run_id": run_id}).first()
     return resources_from_row(row) if row is not None else None
+
+
+# Prebuilt reads (building a statement costs more Python than running it).
+_BY_ID = select(RS).where(RS.c.run_id == bindparam("r_run_id"), RS.c.resources_id == bindparam("r_resources_id"))
+_VERSION = select(RV).where(
+    RV.c.run_id == bindparam("r_run_id"),
+    RV.c.resources_id == bindparam("r_resources_id"),
+    RV.c.version == bindparam("r_version"),
+)
+_LATEST = select(RS).where(RS.c.run_id == bindparam("r_run_id")).order_by(RS.c.touch_seq.desc()).limit(1)

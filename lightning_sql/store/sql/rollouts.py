@@ -69,24 +69,34 @@ def _retry_json(statuses: Sequence[str]) -> str:
     return "[" + ",".join(f'"{status}"' for status in statuses) + "]"
 
 
+_LATEST_RESOURCES = (
+    select(s.resources.c.resources_id, s.resources.c.version)
+    .where(s.resources.c.run_id == bindparam("r_run_id"))
+    .order_by(s.resources.c.touch_seq.desc())
+    .limit(1)
+)
+_RESOURCE_VERSION = select(s.resources.c.resources_id, s.resources.c.version).where(
+    s.resources.c.run_id == bindparam("r_run_id"), s.resources.c.resources_id == bindparam("r_resources_id")
+)
+_RESOURCE_VERSIONS = select(s.resources.c.resources_id, s.resources.c.version).where(
+    s.resources.c.run_id == bindparam("r_run_id"),
+    s.resources.c.resources_id.in_(bindparam("r_resources_ids", expanding=True)),
+)
+
+
 def latest_resources(ctx: UnitContext, run_id: int) -> tuple[str | None, int | None]:
-    row = ctx.conn.execute(
-        select(s.resources.c.resources_id, s.resources.c.version)
-        .where(s.resources.c.run_id == run_id)
-        .order_by(s.resources.c.touch_seq.desc())
-        .limit(1)
-    ).first()
+    row = ctx.conn.execute(_LATEST_RESOURCES, {"r_run_id": run_id}).first()
     return (row[0], row[1]) if row is not None else (None, None)
 
 
 def resource_versions(ctx: UnitContext, run_id: int, ids: set[str]) -> dict[str, int]:
     if not ids:
         return {}
-    rows = ctx.conn.execute(
-        select(s.resources.c.resources_id, s.resources.c.version).where(
-            s.resources.c.run_id == run_id, s.resources.c.resources_id.in_(sorted(ids))
-        )
-    ).all()
+    if len(ids) == 1:
+        (rid,) = ids
+        rows = ctx.conn.execute(_RESOURCE_VERSION, {"r_run_id": run_id, "r_resources_id": rid}).all()
+    else:
+        rows = ctx.conn.execute(_RESOURCE_VERSIONS, {"r_run_id": run_id, "r_resources_ids": sorted(ids)}).all()
     return {r[0]: r[1] for r in rows}
 
 
@@ -109,6 +119,18 @@ def _fetch_rollouts(ctx: UnitContext, run_id: int, where: Any) -> list[Any]:
     return list(ctx.conn.execute(select(*ROLLOUT_COLUMNS).where(R.c.run_id == run_id, where)).all())
 
 
+_ROLLOUTS_BY_ID = select(*ROLLOUT_COLUMNS).where(
+    R.c.run_id == bindparam("r_run_id"), R.c.rollout_id.in_(bindparam("r_ids", expanding=True))
+)
+_ROLLOUTS_BY_KEY = select(*ROLLOUT_COLUMNS).where(
+    R.c.run_id == bindparam("r_run_id"), R.c.idempotency_key.in_(bindparam("r_keys", expanding=True))
+)
+
+
+def _rollouts_by_key(ctx: UnitContext, run_id: int, keys: Sequence[str]) -> list[Any]:
+    return list(ctx.conn.execute(_ROLLOUTS_BY_KEY, {"r_run_id": run_id, "r_keys": list(keys)}).all())
+
+
 def enqueue(ctx: UnitContext, run_id: int, now: float, items: Sequence[NewRollout]) -> list[Rollout]:
     """Queue new rollouts in request order; known idempotency keys return the existing rollout."""
     if not items:
@@ -116,10 +138,14 @@ def enqueue(ctx: UnitContext, run_id: int, now: float, items: Sequence[NewRollou
     keys = sorted({i.idempotency_key for i in items if i.idempotency_key is not None})
     by_key: dict[str, Rollout] = {}
     if keys:
-        for row in _fetch_rollouts(ctx, run_id, R.c.idempotency_key.in_(keys)):
+        for row in _rollouts_by_key(ctx, run_id, keys):
             by_key[row.idempotency_key] = rollout_from_row(row)
-    # A replay after a lost commit: our pre-generated ids may already exist.
-    mine = {r.rollout_id: r for r in map(rollout_from_row, _fetch_rollouts(ctx, run_id, R.c.rollout_id.in_([i.rollout_id for i in items])))}
+    # A replay after a lost commit: our pre-generated ids may already exist (the ids are fresh per
+    # call, so only a replay can find them: skip the look-up on the first try).
+    mine: dict[str, Rollout] = {}
+    if ctx.attempt > 0:
+        found = ctx.conn.execute(_ROLLOUTS_BY_ID, {"r_run_id": run_id, "r_ids": [i.rollout_id for i in items]})
+        mine = {r.rollout_id: r for r in map(rollout_from_row, found)}
 
     fresh: list[NewRollout] = []
     seen_keys: set[str] = set()
@@ -157,13 +183,11 @@ def enqueue(ctx: UnitContext, run_id: int, now: float, items: Sequence[NewRollou
                     "create_seq": pos,
                 }
             )
-        inserted = {
-            row[0]
-            for row in ctx.conn.execute(
-                d.insert(ctx, R).on_conflict_do_nothing().returning(R.c.rollout_id, sort_by_parameter_order=True),
-                params,
-            )
-        }
+        insert_rollouts = cached(
+            ("enqueue_insert", ctx.dialect),
+            lambda: d.insert(ctx, R).on_conflict_do_nothing().returning(R.c.rollout_id, sort_by_parameter_order=True),
+        )
+        inserted = {row[0] for row in ctx.conn.execute(insert_rollouts, params)}
         for item, p in zip(fresh, params, strict=True):
             if item.rollout_id in inserted:
                 created[item.rollout_id] = Rollout.model_construct(
@@ -184,7 +208,7 @@ def enqueue(ctx: UnitContext, run_id: int, now: float, items: Sequence[NewRollou
         if len(inserted) < len(fresh):
             # A concurrent enqueue took some keys first: read what it created.
             missing = [i.idempotency_key for i in fresh if i.rollout_id not in inserted and i.idempotency_key]
-            for row in _fetch_rollouts(ctx, run_id, R.c.idempotency_key.in_(missing)):
+            for row in _rollouts_by_key(ctx, run_id, missing):
                 by_key[row.idempotency_key] = rollout_from_row(row)
 
     # A later request repeating an earlier request's key yields the rollout that request created.
@@ -340,14 +364,24 @@ def _claim_fresh(
     ids = [row[0] for row in ctx.conn.execute(picked, {"c_run_id": run_id, "c_limit": len(attempt_ids)})]
     if not ids:
         return []
+    # One claimed row (the common case) compares with = : an expanding IN is compiled again per call.
+    single = len(ids) == 1
     mark = cached(
-        "claim_mark",
+        ("claim_mark", single),
         lambda: update(R)
-        .where(R.c.run_id == bindparam("c_run_id"), R.c.rollout_id.in_(bindparam("c_ids", expanding=True)))
+        .where(
+            R.c.run_id == bindparam("c_run_id"),
+            R.c.rollout_id == bindparam("c_id") if single else R.c.rollout_id.in_(bindparam("c_ids", expanding=True)),
+        )
         .values(status="preparing", queue_seq=None, attempt_count=R.c.attempt_count + 1)
         .returning(*ROLLOUT_COLUMNS, R.c.attempt_count),
     )
-    rows = ctx.conn.execute(mark, {"c_run_id": run_id, "c_ids": ids}).all()
+    params: dict[str, Any] = {"c_run_id": run_id}
+    if single:
+        params["c_id"] = ids[0]
+    else:
+        params["c_ids"] = ids
+    rows = ctx.conn.execute(mark, params).all()
     by_id = {row.rollout_id: row for row in rows}
     attempt_rows = []
     result: list[AttemptedRollout] = []
@@ -595,15 +629,25 @@ def latest_attempts(ctx: UnitContext, run_id: int, rows: Sequence[Any]) -> dict[
     if not pairs:
         return {}
     out: dict[str, Attempt] = {}
+    if len(pairs) == 1:
+        ((rid, seq),) = pairs
+        arow = ctx.conn.execute(_ATTEMPT_BY_SEQ, {"r_run_id": run_id, "r_rollout_id": rid, "r_sequence_id": seq}).first()
+        if arow is not None:
+            out[arow.rollout_id] = attempt_from_row(arow)
+        return out
     # Chunked so a page of thousands of rollouts stays within driver parameter limits.
     for start in range(0, len(pairs), 500):
         chunk = pairs[start : start + 500]
-        result = ctx.conn.execute(
-            select(A).where(A.c.run_id == run_id, tuple_(A.c.rollout_id, A.c.sequence_id).in_(chunk))
-        )
+        result = ctx.conn.execute(_LATEST_ATTEMPTS, {"r_run_id": run_id, "r_pairs": chunk})
         for arow in result:
             out[arow.rollout_id] = attempt_from_row(arow)
     return out
+
+
+_LATEST_ATTEMPTS = select(A).where(
+    A.c.run_id == bindparam("r_run_id"),
+    tuple_(A.c.rollout_id, A.c.sequence_id).in_(bindparam("r_pairs", expanding=True)),
+)
 
 
 def with_latest_attempts(ctx: UnitContext, run_id: int, rows: Sequence[Any]) -> list[Rollout | AttemptedRollout]:
@@ -612,12 +656,15 @@ def with_latest_attempts(ctx: UnitContext, run_id: int, rows: Sequence[Any]) -> 
 
 
 def get_rollout(ctx: UnitContext, run_id: int, rollout_id: str) -> Rollout | AttemptedRollout | None:
-    rows = ctx.conn.execute(
-        select(*ROLLOUT_COLUMNS, R.c.attempt_count).where(R.c.run_id == run_id, R.c.rollout_id == rollout_id)
-    ).all()
+    rows = ctx.conn.execute(_ROLLOUT_WITH_COUNT, {"r_run_id": run_id, "r_rollout_id": rollout_id}).all()
     if not rows:
         return None
     return with_latest_attempts(ctx, run_id, rows)[0]
+
+
+_ROLLOUT_WITH_COUNT = select(*ROLLOUT_COLUMNS, R.c.attempt_count).where(
+    R.c.run_id == bindparam("r_run_id"), R.c.rollout_id == bindparam("r_rollout_id")
+)
 
 
 def rollout_exists(ctx: UnitContext, run_id: int, rollout_id: str) -> bool:

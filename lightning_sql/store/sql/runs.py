@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import bindparam, delete, func, select, update
 
 from lightning_sql.store.sql import dialect as d
 from lightning_sql.store.sql import schema as s
@@ -82,15 +82,21 @@ def delete_batch(ctx: UnitContext, run_id: int) -> bool:
     return True
 
 
-def counts(ctx: UnitContext, run_id: int) -> dict[str, int]:
-    def count(table: Any, *where: Any) -> int:
-        return int(ctx.conn.execute(select(func.count()).select_from(table).where(table.c.run_id == run_id, *where)).scalar_one())
+def _count(table: Any, *where: Any) -> Any:
+    return select(func.count()).select_from(table).where(table.c.run_id == bindparam("c_run_id"), *where)
 
-    return {
-        "total_rollouts": count(s.rollouts),
-        "total_attempts": count(s.attempts),
-        "total_spans": count(s.spans),
-        "total_resources": count(s.resources),
-        "total_workers": count(s.workers),
-        "queue_depth": count(s.rollouts, s.rollouts.c.queue_seq.isnot(None)),
-    }
+
+# Prebuilt: one COUNT per statistic.
+_COUNTS = {
+    "total_rollouts": _count(s.rollouts),
+    "total_attempts": _count(s.attempts),
+    "total_spans": _count(s.spans),
+    "total_resources": _count(s.resources),
+    "total_workers": _count(s.workers),
+    "queue_depth": _count(s.rollouts, s.rollouts.c.queue_seq.isnot(None)),
+}
+
+
+def counts(ctx: UnitContext, run_id: int) -> dict[str, int]:
+    params = {"c_run_id": run_id}
+    return {name: int(ctx.conn.execute(stmt, params).scalar_one()) for name, stmt in _COUNTS.items()}

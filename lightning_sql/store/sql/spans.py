@@ -10,13 +10,15 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import bindparam, case, select, tuple_, update
+from sqlalchemy import bindparam, case, func, select, tuple_, update
 
 from lightning_sql.store.sql import dialect as d
+from lightning_sql.store.sql import filters as f
 from lightning_sql.store.sql import schema as s
 from lightning_sql.store.sql.engine import UnitContext
+from lightning_sql.store.sql.rows import span_from_row
 from lightning_sql.store.sql.statements import cached
-from lightning_sql.types import QUEUED_STATUSES, Span
+from lightning_sql.types import QUEUED_STATUSES, PaginatedResult, Span, check_text
 
 logger = logging.getLogger("lightning_sql.store")
 
@@ -209,3 +211,111 @@ def _heartbeat(ctx: UnitContext, run_id: int, now: float, rid: str, aid: str, ro
             .values(status="running", queue_seq=None),
         )
         ctx.conn.execute(promote, {"s_run_id": run_id, "s_rollout_id": rid})
+
+
+# --- reads --------------------------------------------------------------------------------------
+
+SPAN_FILTER_FIELDS = ("trace_id", "span_id", "parent_id", "name")
+
+
+def _shape(value: str | None) -> bool | None:
+    """None: no filter; True: a bound value; False: a value that cannot be stored (matches nothing)."""
+    if value is None:
+        return None
+    try:
+        check_text(value, "value")
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _span_query(ctx: UnitContext, shape: tuple[Any, ...]) -> tuple[Any, Any]:
+    """(page statement, count statement) for one query shape, with ``q_*`` placeholders."""
+    rid_ok, attempt_mode, exact, contains, logic, sort_by, sort_order, has_limit, has_offset = shape
+    run_id: Any = bindparam("q_run_id")
+    rollout_id: Any = bindparam("q_rollout_id")
+    must = [S.c.run_id == run_id, S.c.rollout_id == rollout_id if rid_ok else f.false()]
+    if attempt_mode == "latest":
+        latest = (
+            select(A.c.attempt_id)
+            .where(A.c.run_id == run_id, A.c.rollout_id == rollout_id)
+            .order_by(A.c.sequence_id.desc())
+            .limit(1)
+            .scalar_subquery()
+        )
+        must.append(S.c.attempt_id == latest)
+    elif attempt_mode is not None:
+        must.append(S.c.attempt_id == bindparam("q_attempt_id") if attempt_mode else f.false())
+    conditions = []
+    for name, ok in zip(SPAN_FILTER_FIELDS, exact, strict=True):
+        if ok is not None:
+            conditions.append(S.c[name] == bindparam(f"q_{name}") if ok else f.false())
+    for name, ok in zip(SPAN_FILTER_FIELDS, contains, strict=True):
+        if ok is not None:
+            conditions.append(d.contains(ctx, S.c[name], bindparam(f"q_{name}_contains")) if ok else f.false())
+    where = [*must, f.pool(conditions, logic)]
+    page = (
+        select(*[c for c in S.c if c.name != "run_id"])
+        .where(*where)
+        .order_by(*f.order_by(f.SPAN_SORT, sort_by, sort_order))
+    )
+    if has_limit:
+        page = page.limit(bindparam("q_limit"))
+    if has_offset:
+        page = page.offset(bindparam("q_offset"))
+    count = select(func.count()).select_from(S).where(*where)
+    return page, count
+
+
+def query_spans(
+    ctx: UnitContext,
+    run_id: int,
+    rollout_id: str,
+    attempt_id: str | None,
+    exact: dict[str, str | None],
+    contains: dict[str, str | None],
+    filter_logic: str,
+    limit: int,
+    offset: int,
+    sort_by: str | None,
+    sort_order: str,
+) -> PaginatedResult[Span]:
+    """One page of a rollout's spans and the number of matches, through a statement prebuilt per
+    query shape (which filters are present, attempt mode, sort, pagination)."""
+    if attempt_id is None or attempt_id == "latest":
+        attempt_mode: Any = attempt_id
+    else:
+        attempt_mode = bool(_shape(attempt_id))
+    exact_shape = tuple(_shape(exact[name]) for name in SPAN_FILTER_FIELDS)
+    contains_shape = tuple(_shape(contains[name]) for name in SPAN_FILTER_FIELDS)
+    shape = (
+        bool(_shape(rollout_id)),
+        attempt_mode,
+        exact_shape,
+        contains_shape,
+        filter_logic,
+        sort_by,
+        sort_order,
+        limit != -1,
+        offset != 0,
+    )
+    page, count = cached(("query_spans", ctx.dialect, shape), lambda: _span_query(ctx, shape))
+    params: dict[str, Any] = {"q_run_id": run_id, "q_rollout_id": rollout_id}
+    if attempt_mode is True:
+        params["q_attempt_id"] = attempt_id
+    for name, ok in zip(SPAN_FILTER_FIELDS, exact_shape, strict=True):
+        if ok:
+            params[f"q_{name}"] = exact[name]
+    for name, ok in zip(SPAN_FILTER_FIELDS, contains_shape, strict=True):
+        if ok:
+            params[f"q_{name}_contains"] = contains[name]
+    if limit != -1:
+        params["q_limit"] = limit
+    if offset != 0:
+        params["q_offset"] = offset
+    rows = ctx.conn.execute(page, params).all() if limit != 0 else []
+    if limit == -1 and offset == 0:
+        total = len(rows)
+    else:
+        total = int(ctx.conn.execute(count, params).scalar_one())
+    return PaginatedResult(items=[span_from_row(r) for r in rows], limit=limit, offset=offset, total=total)

@@ -49,7 +49,6 @@ from lightning_sql.store.sql.rows import (
     attempt_from_row,
     encoded,
     resources_from_row,
-    span_from_row,
     span_values,
     worker_from_row,
 )
@@ -919,17 +918,16 @@ class SqlLightningStore(LightningStore):
         for span in spans:
             if not _storable(span.rollout_id):
                 raise ValueError(f"Rollout {span.rollout_id} not found")
-        rows_holder: dict[int, list[dict[str, Any]]] = {}
+        # Validate and encode before any I/O (bad input writes nothing and needs no database), on the
+        # caller's thread: the I/O thread only stamps the run id.
+        rows = [span_values(span, 0) for span in spans]
 
         def unit(ctx: UnitContext, run_id: int, now: float) -> list[Span]:
-            rows = rows_holder.get(run_id)
-            if rows is None:
-                rows = rows_holder[run_id] = [span_values(span, run_id) for span in spans]
+            if rows[0]["run_id"] != run_id:
+                for row in rows:
+                    row["run_id"] = run_id
             return span_units.add_spans(ctx, run_id, now, spans, rows, allocate=allocate)
 
-        # Validate JSON before any I/O (bad input writes nothing and needs no database).
-        for span in spans:
-            span_values(span, 0)
         return await self._call(method, unit, write=True)
 
     async def add_otel_span(
@@ -1010,37 +1008,8 @@ class SqlLightningStore(LightningStore):
                 raise TypeError(f"{label} must be a str or None, got a value of type {type(value).__name__}")
 
         def unit(ctx: UnitContext, run_id: int, now: float) -> PaginatedResult[Span]:
-            S = s.spans
-            A = s.attempts
-            must = [S.c.run_id == run_id, S.c.rollout_id == rollout_id if _storable(rollout_id) else f.false()]
-            if attempt_id == "latest":
-                latest = (
-                    select(A.c.attempt_id)
-                    .where(A.c.run_id == run_id, A.c.rollout_id == rollout_id)
-                    .order_by(A.c.sequence_id.desc())
-                    .limit(1)
-                    .scalar_subquery()
-                )
-                must.append(S.c.attempt_id == latest)
-            elif attempt_id is not None:
-                must.append(S.c.attempt_id == attempt_id if _storable(attempt_id) else f.false())
-            conditions = []
-            for field_name, value in exact.items():
-                if value is not None:
-                    conditions.append(S.c[field_name] == value if _storable(value) else f.false())
-            for field_name, value in contains.items():
-                if value is not None:
-                    conditions.append(d.contains(ctx, S.c[field_name], value) if _storable(value) else f.false())
-            where = [*must, f.pool(conditions, filter_logic)]
-            return _paginate(
-                ctx,
-                select(*[c for c in S.c if c.name not in ("run_id",)]).where(*where),
-                S,
-                where,
-                f.order_by(f.SPAN_SORT, sort_by, sort_order),
-                limit,
-                offset,
-                lambda rows: [span_from_row(r) for r in rows],
+            return span_units.query_spans(
+                ctx, run_id, rollout_id, attempt_id, exact, contains, filter_logic, limit, offset, sort_by, sort_order
             )
 
         return await self._call("query_spans", unit, write=False, sweeps=True)
