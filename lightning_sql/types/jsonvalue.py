@@ -21,6 +21,7 @@ __all__ = [
     "encode_json",
     "check_json",
     "check_text",
+    "is_storable_text",
 ]
 
 MAX_JSON_DEPTH = 64  # deeper values are almost certainly cycles or bugs; keeps the walk's recursion bounded
@@ -218,3 +219,13 @@ def check_text(value: str, field: str, *, max_chars: int | None = MAX_ID_CHARS) 
     problem = _string_problem(value)
     if problem is not None:
         raise ValueError(f"{field}: {problem}")
+
+
+def is_storable_text(value: object) -> bool:
+    """Whether ``value`` could be a stored id or name (``check_text`` passes): reads use it to make an
+    impossible id match nothing instead of raising."""
+    try:
+        check_text(value, "value")  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False
+    return True

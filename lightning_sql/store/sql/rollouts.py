@@ -32,7 +32,7 @@ from lightning_sql.types import (
     Rollout,
     RolloutConfig,
     RolloutMode,
-    check_text,
+    is_storable_text,
     rollout_status_from_attempt,
 )
 
@@ -548,7 +548,7 @@ def resolve_attempt(ctx: UnitContext, run_id: int, rollout_id: str, attempt_id: 
         raise ValueError(f"Rollout {rollout_id} not found")
     if row.attempt_count == 0:
         raise ValueError(f"No attempts found for rollout {rollout_id}")
-    if attempt_id != "latest" and not storable_text(attempt_id):
+    if attempt_id != "latest" and not is_storable_text(attempt_id):
         # A concrete id that cannot exist in the database (NUL, lone surrogate, too long): it matches
         # nothing, reported after the rollout checks above (§2.7 resolution order).
         raise ValueError(f"Attempt {attempt_id} not found for rollout {rollout_id}")
@@ -672,15 +672,6 @@ def rollout_exists(ctx: UnitContext, run_id: int, rollout_id: str) -> bool:
         select(R.c.rollout_id).where(R.c.run_id == run_id, R.c.rollout_id == rollout_id)
     ).first()
     return row is not None
-
-
-def storable_text(value: Any) -> bool:
-    """Whether ``value`` could be a stored id (a str without NUL or lone surrogate, not too long)."""
-    try:
-        check_text(value, "value")
-    except (TypeError, ValueError):
-        return False
-    return True
 
 
 def get_latest_attempt(ctx: UnitContext, run_id: int, rollout_id: str) -> Attempt | None:

@@ -3,8 +3,8 @@
 Each public coroutine validates its arguments in Python (so bad input fails before any I/O and
 writes nothing), decides every id and *now* once, and hands one unit of work to the process's I/O
 worker for its database.  The units live in one module per aggregate (rollouts, spans, resources,
-workers, sweeper, runs); this class is the contract's surface and the per-instance policy (run
-binding, clock, sweep debounce, waits).
+workers, sweeper, runs); this class is the contract's surface, and ``instance.StoreInstance``
+holds the per-instance policy (options, run binding, clock, I/O hand-off, sweep debounce, lifecycle).
 """
 
 from __future__ import annotations
@@ -12,18 +12,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
-import threading
 import time
 import warnings
-import weakref
 from collections.abc import Callable, Sequence
-from datetime import datetime
 from typing import Any, Literal, TypeVar
 
 from opentelemetry.sdk.trace import ReadableSpan
-from sqlalchemy import URL, func, select
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy import func, select
 
 from lightning_sql.store.base import LightningStore
 from lightning_sql.store.sql import dialect as d
@@ -33,17 +28,11 @@ from lightning_sql.store.sql import rollouts as ro
 from lightning_sql.store.sql import runs as run_units
 from lightning_sql.store.sql import schema as s
 from lightning_sql.store.sql import spans as span_units
-from lightning_sql.store.sql import sweeper
 from lightning_sql.store.sql import workers as worker_units
 from lightning_sql.store.sql.engine import (
-    DatabaseTarget,
-    IoWorker,
-    SchemaUnit,
     UnitContext,
-    acquire_worker,
-    normalise_url,
-    release_worker,
 )
+from lightning_sql.store.sql.instance import StoreInstance
 from lightning_sql.store.sql.rows import (
     ROLLOUT_COLUMNS,
     attempt_from_row,
@@ -58,7 +47,6 @@ from lightning_sql.types import (
     AttemptedRollout,
     AttemptStatus,
     EnqueueRolloutRequest,
-    LightningStoreCapabilities,
     LightningStoreStatistics,
     NamedResources,
     PaginatedResult,
@@ -74,7 +62,7 @@ from lightning_sql.types import (
     Worker,
     WorkerStatus,
     check_text,
-    generate_id,
+    is_storable_text,
     new_attempt_id,
     new_resources_id,
     new_rollout_id,
@@ -84,8 +72,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# How often an instance re-measures its offset to the PostgreSQL server's clock (§0.2).
-CLOCK_SYNC_INTERVAL_S = 300.0
 # Fallback re-read interval of waits when no notification arrives (lost NOTIFY, other hosts).
 WAIT_FALLBACK_POLL_S = 1.0
 # Shortest pause between a wait's reads when a burst of wake-ups arrives.
@@ -95,40 +81,6 @@ _ROLLOUT_STATUSES = ("queuing", "preparing", "running", "failed", "succeeded", "
 _ATTEMPT_STATUSES = ("preparing", "running", "failed", "succeeded", "unresponsive", "timeout")
 _MODES = ("train", "val", "test")
 _WORKER_STATUSES = ("idle", "busy", "unknown")
-_SQLITE_ENGINE_OPTIONS = {"busy_timeout", "echo"}
-_PG_ENGINE_OPTIONS = {"pool_size", "max_overflow", "pool_timeout", "pool_recycle", "pool_pre_ping", "connect_args", "echo"}
-
-
-def _storable(value: str | None) -> bool:
-    """Whether a read's id/filter string could exist in the database (no NUL, no lone surrogate)."""
-    if value is None:
-        return True
-    try:
-        check_text(value, "value")
-    except (ValueError, TypeError):
-        return False
-    return True
-
-
-# Every live instance of this process, so that a forked child can reset their per-process state.
-_INSTANCES: weakref.WeakSet[SqlLightningStore] = weakref.WeakSet()
-
-
-def _reset_instances_after_fork() -> None:
-    # Runs in the child right after fork(), single-threaded: locks held by the parent's other threads
-    # and flags of the parent's in-flight calls (a lazy sweep, waits) do not belong to the child.
-    for instance in list(_INSTANCES):
-        instance._sweep_lock = threading.Lock()
-        instance._attach_lock = threading.Lock()
-        instance._sweeping = False
-        instance._waits = set()
-
-
-os.register_at_fork(after_in_child=_reset_instances_after_fork)
-
-
-def _generated_run_name() -> str:
-    return f"run-{datetime.now().strftime('%Y%m%d-%H%M%S')}-{generate_id(4)}"
 
 
 def _validate_literal(value: Any, allowed: Sequence[str], field: str, model: str) -> None:
@@ -145,318 +97,8 @@ def _validate_literal(value: Any, allowed: Sequence[str], field: str, model: str
         raise ValidationError.from_exception_data(model, [])  # pragma: no cover - unreachable
 
 
-class SqlLightningStore(LightningStore):
+class SqlLightningStore(StoreInstance, LightningStore):
     """A ``LightningStore`` persisted in SQLite or PostgreSQL, bound to one named run."""
-
-    def __init__(
-        self,
-        url: str | URL = "sqlite:///lightning_sql.db",
-        *,
-        run: str | None = None,
-        create_run: bool = True,
-        run_metadata: dict[str, Any] | None = None,
-        read_only: bool = False,
-        clock: Callable[[], float] | None = None,
-        clock_sync: bool | None = None,
-        default_rollout_config: RolloutConfig | None = None,
-        scan_debounce_seconds: float = 10.0,
-        connect_deadline_seconds: float = 30.0,
-        auto_migrate: bool = True,
-        schema: str = s.DEFAULT_PG_SCHEMA,
-        **engine_options: Any,
-    ) -> None:
-        target = normalise_url(url)
-        if run is not None and (not isinstance(run, str) or not run):
-            raise ValueError(f"run must be a non-empty str or None, got {run!r}")
-        if run is not None:
-            check_text(run, "run")
-        for name, value in (("create_run", create_run), ("read_only", read_only), ("auto_migrate", auto_migrate)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be a bool, got {value!r}")
-        if clock is not None and not callable(clock):
-            raise TypeError(f"clock must be a zero-argument callable or None, got {clock!r}")
-        if clock_sync is not None and not isinstance(clock_sync, bool):
-            raise TypeError(f"clock_sync must be a bool or None, got {clock_sync!r}")
-        if clock_sync and target.dialect == "sqlite":
-            raise ValueError("clock_sync=True needs a server clock: SQLite has none (use PostgreSQL or clock_sync=False)")
-        for option, number in (
-            ("scan_debounce_seconds", scan_debounce_seconds),
-            ("connect_deadline_seconds", connect_deadline_seconds),
-        ):
-            if isinstance(number, bool) or not isinstance(number, (int, float)):
-                raise TypeError(f"{option} must be a number, got {number!r}")
-        if connect_deadline_seconds < 0:
-            raise ValueError(f"connect_deadline_seconds must be >= 0, got {connect_deadline_seconds!r}")
-        if default_rollout_config is not None and not isinstance(default_rollout_config, RolloutConfig):
-            raise TypeError(f"default_rollout_config must be a RolloutConfig or None, got {default_rollout_config!r}")
-        if not isinstance(schema, str) or not schema:
-            raise ValueError(f"schema must be a non-empty str, got {schema!r}")
-        if target.dialect == "sqlite" and schema != s.DEFAULT_PG_SCHEMA:
-            raise ValueError(f"schema={schema!r} applies to PostgreSQL only; SQLite files have no schemas")
-        allowed = _PG_ENGINE_OPTIONS if target.dialect == "postgresql" else _SQLITE_ENGINE_OPTIONS
-        for key in engine_options:
-            if key not in allowed:
-                raise ValueError(
-                    f"Unknown engine option {key!r} for the {target.dialect} backend (allowed: {sorted(allowed)})"
-                )
-        if run_metadata is not None:
-            encoded(run_metadata, "run_metadata")
-
-        self._url = url if isinstance(url, str) else url.render_as_string(hide_password=False)
-        self._target: DatabaseTarget = target
-        self._run_name: str | None = run
-        if run is None and create_run and not read_only:
-            self._run_name = _generated_run_name()
-            logger.info("Starting new run %s on %s", self._run_name, target.masked)
-        self._create_run = create_run
-        self._run_metadata = run_metadata
-        self.read_only = read_only
-        self._clock = clock
-        self._clock_sync = (target.dialect == "postgresql") if clock_sync is None else clock_sync
-        self.default_rollout_config = default_rollout_config
-        self.scan_debounce_seconds = float(scan_debounce_seconds)
-        self.connect_deadline_seconds = float(connect_deadline_seconds)
-        self._auto_migrate = auto_migrate
-        self._schema = schema
-        self._engine_options = engine_options
-        self._init_runtime_state()
-
-    def _init_runtime_state(self) -> None:
-        self._created_monotonic = time.monotonic()
-        self._pid = os.getpid()
-        self._worker: IoWorker | None = None
-        self._run_id: int | None = None
-        self._offset = 0.0
-        self._offset_measured_at: float | None = None
-        self._last_sweep: float | None = None
-        self._sweep_lock = threading.Lock()
-        self._sweeping = False
-        self._attach_lock = threading.Lock()
-        self._closed = False
-        # Waits in progress on this instance and the number of close() calls so far: close() wakes
-        # them and they end (§4 close releases this instance's waiters).
-        self._waits: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
-        self._close_count = 0
-        _INSTANCES.add(self)
-
-    # --- pickling, repr -------------------------------------------------------------------------
-
-    def __getstate__(self) -> dict[str, Any]:
-        if self._target.kind == "sqlite-memory":
-            raise TypeError(f"An in-memory SQLite store ({self._target.masked}) cannot be pickled: a copy could not see its data")
-        state = {
-            k: v
-            for k, v in self.__dict__.items()
-            if k
-            not in (
-                "_worker",
-                "_sweep_lock",
-                "_attach_lock",
-                "_run_id",
-                "_offset",
-                "_offset_measured_at",
-                "_last_sweep",
-                "_sweeping",
-                "_pid",
-                "_created_monotonic",
-                "_closed",
-                "_waits",
-                "_close_count",
-            )
-        }
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._init_runtime_state()
-
-    def __repr__(self) -> str:
-        return f"SqlLightningStore({self._target.masked!r}, run={self._run_name!r})"
-
-    @property
-    def run(self) -> str | None:
-        """The name of the run this instance is bound to."""
-        return self._run_name
-
-    @property
-    def url(self) -> str:
-        """The database URL with its password masked."""
-        return self._target.masked
-
-    @property
-    def dialect(self) -> str:
-        return self._target.dialect
-
-    @property
-    def capabilities(self) -> LightningStoreCapabilities:
-        return LightningStoreCapabilities(
-            thread_safe=True,
-            async_safe=True,
-            zero_copy=self._target.kind != "sqlite-memory",
-            otlp_traces=False,
-        )
-
-    def otlp_traces_endpoint(self) -> str:
-        raise NotImplementedError("SqlLightningStore does not expose an OTLP endpoint")
-
-    # --- clock ----------------------------------------------------------------------------------
-
-    def _local_now(self) -> float:
-        return float(self._clock()) if self._clock is not None else time.time()
-
-    def now(self) -> float:
-        """One reading of the store clock: local clock + measured offset (no I/O)."""
-        return self._local_now() + self._offset
-
-    async def _sync_clock(self, worker: IoWorker) -> None:
-        local = self._local_now()
-        if self._offset_measured_at is not None and abs(local - self._offset_measured_at) < CLOCK_SYNC_INTERVAL_S:
-            return
-        holder: dict[str, float] = {}
-
-        def read_server(ctx: UnitContext) -> float:
-            holder["sent"] = self._local_now()
-            value = float(ctx.conn.execute(d.server_epoch(ctx)).scalar_one())
-            holder["received"] = self._local_now()
-            return value
-
-        server = await self._submit(worker, read_server, write=False)
-        self._offset = server - (holder["sent"] + holder["received"]) / 2
-        self._offset_measured_at = local
-
-    # --- plumbing -------------------------------------------------------------------------------
-
-    def _attach(self) -> IoWorker:
-        with self._attach_lock:
-            pid = os.getpid()
-            if pid != self._pid:
-                # A forked child: the inherited worker belongs to the parent; forget it unclosed.
-                if self._target.kind == "sqlite-memory":
-                    raise RuntimeError("An in-memory SQLite store cannot be used in a forked child process")
-                self._pid = pid
-                self._worker = None
-                self._run_id = None
-                self._offset_measured_at = None
-            if self._closed and self._target.kind == "sqlite-memory":
-                raise RuntimeError("This in-memory SQLite store is closed")
-            self._closed = False
-            if self._worker is None or self._worker.closed:
-                self._worker = acquire_worker(
-                    self._target,
-                    schema=self._schema if self._target.dialect == "postgresql" else None,
-                    options=self._engine_options,
-                )
-            return self._worker
-
-    async def _submit(self, worker: IoWorker, unit: Callable[[UnitContext], T], *, write: bool) -> T:
-        fut = worker.submit(unit, write=write, deadline_s=self.connect_deadline_seconds)
-        afut = asyncio.wrap_future(fut)
-        try:
-            return await asyncio.shield(afut)
-        except asyncio.CancelledError:
-            # The unit was handed over: let it complete or roll back as a whole, then re-raise.
-            while not afut.done():
-                try:
-                    await asyncio.shield(afut)
-                except asyncio.CancelledError:
-                    continue
-                except BaseException:  # noqa: BLE001 - the caller is cancelled anyway
-                    break
-            raise
-
-    async def _prepare(self, *, needs_run: bool = True) -> tuple[IoWorker, int | None]:
-        worker = self._attach()
-        if worker._schema_ready is None:
-            await self._submit(worker, SchemaUnit(self._auto_migrate, self.read_only), write=True)
-        if self._clock_sync:
-            await self._sync_clock(worker)
-        if not needs_run:
-            return worker, None
-        if self._run_id is None:
-            name = self._run_name
-            if name is None:
-                raise ValueError(
-                    "This store is bound to no run (run=None with create_run=False or read_only=True): "
-                    "pass run=<name>"
-                )
-            create = self._create_run and not self.read_only
-            metadata = encoded(self._run_metadata, "run_metadata")
-            now = self.now()
-            self._run_id = await self._submit(
-                worker,
-                lambda ctx: run_units.resolve_run(ctx, name, now, create=create, metadata=metadata),
-                write=create,
-            )
-        return worker, self._run_id
-
-    def _check_writable(self, method: str) -> None:
-        if self.read_only:
-            raise PermissionError(f"{method}() writes to the store, but this store is read_only=True")
-
-    async def _call(
-        self,
-        method: str,
-        unit: Callable[[UnitContext, int, float], T],
-        *,
-        write: bool,
-        sweeps: bool = False,
-    ) -> T:
-        """Run one unit for the bound run; ``unit(ctx, run_id, now)``."""
-        if write:
-            self._check_writable(method)
-        worker, run_id = await self._prepare()
-        assert run_id is not None
-        if sweeps:
-            await self._maybe_sweep(worker, run_id)
-        now = self.now()
-        return await self._submit(worker, lambda ctx: unit(ctx, run_id, now), write=write)
-
-    # --- sweeper --------------------------------------------------------------------------------
-
-    def _sweep_due(self) -> bool:
-        if self.read_only:
-            return False
-        with self._sweep_lock:
-            if self._sweeping:
-                return False
-            now = self.now()
-            if self.scan_debounce_seconds > 0 and self._last_sweep is not None:
-                elapsed = now - self._last_sweep
-                if 0 <= elapsed < self.scan_debounce_seconds:
-                    return False
-            self._sweeping = True
-            self._last_sweep = now
-            return True
-
-    async def _sweep_only(self) -> None:
-        """The [sweeps] part of a call that has nothing else to do (empty batch, unmatchable id)."""
-        worker, run_id = await self._prepare()
-        assert run_id is not None
-        await self._maybe_sweep(worker, run_id)
-
-    async def _maybe_sweep(self, worker: IoWorker, run_id: int) -> None:
-        if not self._sweep_due():
-            return
-        try:
-            now = self.now()
-            await self._submit(worker, lambda ctx: sweeper.expire_leases(ctx, run_id, now), write=True)
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # noqa: BLE001 - a lazy sweep must not fail the caller's call
-            logger.warning("Lazy sweep failed; it will be retried", exc_info=True)
-        finally:
-            with self._sweep_lock:
-                self._sweeping = False
-
-    async def sweep(self, all_runs: bool = False) -> int:
-        """Run the sweeper now (ignoring the debounce); returns the number of attempts it expired."""
-        self._check_writable("sweep")
-        worker, run_id = await self._prepare(needs_run=not all_runs)
-        with self._sweep_lock:
-            self._last_sweep = self.now()
-        now = self.now()
-        target = None if all_runs else run_id
-        return await self._submit(worker, lambda ctx: sweeper.expire_leases(ctx, target, now), write=True)
 
     # --- rollouts -------------------------------------------------------------------------------
 
@@ -584,7 +226,7 @@ class SqlLightningStore(LightningStore):
         self._check_writable("start_attempt")
         if worker_id is not None:
             check_text(worker_id, "worker_id")
-        if not _storable(rollout_id):
+        if not is_storable_text(rollout_id):
             raise ValueError(f"Rollout {rollout_id} not found")
         attempt_id = new_attempt_id()
         return await self._call(
@@ -629,7 +271,7 @@ class SqlLightningStore(LightningStore):
             if metadata is not None and not isinstance(metadata, dict):
                 raise TypeError(f"metadata must be a dict or None, got a value of type {type(metadata).__name__}")
             changes["metadata"] = encoded(metadata, "metadata")
-        if not _storable(rollout_id):
+        if not is_storable_text(rollout_id):
             raise ValueError(f"Item does not exist with primary key(s): rollout_id='{rollout_id}'")
         return await self._call(
             "update_rollout",
@@ -683,7 +325,7 @@ class SqlLightningStore(LightningStore):
     def _check_ids_for_attempt(rollout_id: str, attempt_id: str) -> None:
         # Only the rollout can be decided without I/O: an unstorable attempt id is a concrete id that
         # matches nothing, resolved in the unit after the rollout checks (§2.7 resolution order).
-        if not _storable(rollout_id):
+        if not is_storable_text(rollout_id):
             raise ValueError(f"Rollout {rollout_id} not found")
 
     async def touch_attempt(self, rollout_id: str, attempt_id: str) -> Attempt:
@@ -736,13 +378,13 @@ class SqlLightningStore(LightningStore):
             if status_list is not None:
                 conditions.append(f.within(R.c.status, status_list))
             if id_list is not None:
-                conditions.append(f.within(R.c.rollout_id, [v for v in id_list if _storable(v)]))
+                conditions.append(f.within(R.c.rollout_id, [v for v in id_list if is_storable_text(v)]))
             if rollout_id_contains is not None:
                 conditions.append(
-                    d.contains(ctx, R.c.rollout_id, rollout_id_contains) if _storable(rollout_id_contains) else f.false()
+                    d.contains(ctx, R.c.rollout_id, rollout_id_contains) if is_storable_text(rollout_id_contains) else f.false()
                 )
             if key_list is not None:
-                conditions.append(f.within(R.c.idempotency_key, [v for v in key_list if _storable(v)]))
+                conditions.append(f.within(R.c.idempotency_key, [v for v in key_list if is_storable_text(v)]))
             where = [R.c.run_id == run_id]
             if conditions:
                 where.append(f.pool(conditions, filter_logic))
@@ -760,7 +402,7 @@ class SqlLightningStore(LightningStore):
         return await self._call("query_rollouts", unit, write=False, sweeps=True)
 
     async def get_rollout_by_id(self, rollout_id: str) -> Rollout | AttemptedRollout | None:
-        if not _storable(rollout_id):
+        if not is_storable_text(rollout_id):
             await self._sweep_only()
             return None
         return await self._call(
@@ -781,7 +423,7 @@ class SqlLightningStore(LightningStore):
     ) -> PaginatedResult[Attempt]:
         f.check_sort(f.ATTEMPT_SORT, sort_by, sort_order)
         f.check_pagination(limit, offset)
-        storable = _storable(rollout_id)
+        storable = is_storable_text(rollout_id)
 
         def unit(ctx: UnitContext, run_id: int, now: float) -> PaginatedResult[Attempt]:
             A = s.attempts
@@ -800,7 +442,7 @@ class SqlLightningStore(LightningStore):
         return await self._call("query_attempts", unit, write=False, sweeps=True)
 
     async def get_latest_attempt(self, rollout_id: str) -> Attempt | None:
-        if not _storable(rollout_id):
+        if not is_storable_text(rollout_id):
             await self._sweep_only()
             return None
         return await self._call(
@@ -811,21 +453,6 @@ class SqlLightningStore(LightningStore):
         )
 
     # --- waits ----------------------------------------------------------------------------------
-
-    def _register_wait(self, worker: IoWorker, run_id: int) -> tuple[tuple[asyncio.AbstractEventLoop, asyncio.Event], int]:
-        entry = worker.hub.register(run_id)
-        with self._attach_lock:
-            self._waits.add(entry)
-            return entry, self._close_count
-
-    def _unregister_wait(self, worker: IoWorker, run_id: int, entry: tuple[asyncio.AbstractEventLoop, asyncio.Event]) -> None:
-        worker.hub.unregister(run_id, entry)
-        with self._attach_lock:
-            self._waits.discard(entry)
-
-    def _check_not_closed_since(self, method: str, close_count: int) -> None:
-        if self._close_count != close_count:
-            raise RuntimeError(f"{method}(): the store was closed while waiting")
 
     async def wait_for_rollouts(
         self,
@@ -838,7 +465,7 @@ class SqlLightningStore(LightningStore):
             raise ValueError(f"return_when must be 'all' or 'first', got {return_when!r}")
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))):
             raise TypeError(f"timeout must be a number or None, got {timeout!r}")
-        ids = [rid for rid in f.check_str_list(rollout_ids, "rollout_ids") or [] if _storable(rid)]
+        ids = [rid for rid in f.check_str_list(rollout_ids, "rollout_ids") or [] if is_storable_text(rid)]
         if not ids:
             await self._sweep_only()
             return []
@@ -916,7 +543,7 @@ class SqlLightningStore(LightningStore):
             if not isinstance(span, Span):
                 raise TypeError(f"{method}() takes Span objects, got a value of type {type(span).__name__}")
         for span in spans:
-            if not _storable(span.rollout_id):
+            if not is_storable_text(span.rollout_id):
                 raise ValueError(f"Rollout {span.rollout_id} not found")
         # Validate and encode before any I/O (bad input writes nothing and needs no database), on the
         # caller's thread: the I/O thread only stamps the run id.
@@ -939,7 +566,7 @@ class SqlLightningStore(LightningStore):
     ) -> Span | None:
         self._check_writable("add_otel_span")
         self._check_ids_for_attempt(rollout_id, attempt_id)
-        if not _storable(attempt_id):
+        if not is_storable_text(attempt_id):
             # Validate the rollout before the attempt (§2.9), then report the attempt as missing.
             exists = await self._call(
                 "add_otel_span",
@@ -966,7 +593,7 @@ class SqlLightningStore(LightningStore):
         if not pairs:
             return []
         for rid, _aid in pairs:
-            if not _storable(rid):
+            if not is_storable_text(rid):
                 raise ValueError(f"Rollout {rid} not found")
         return await self._call(
             "get_many_span_sequence_ids",
@@ -1053,7 +680,7 @@ class SqlLightningStore(LightningStore):
     async def get_resources_by_id(self, resources_id: str, version: int | None = None) -> ResourcesUpdate | None:
         if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
             raise TypeError(f"version must be an int or None, got {version!r}")
-        if not _storable(resources_id):
+        if not is_storable_text(resources_id):
             return None
         return await self._call(
             "get_resources_by_id",
@@ -1083,11 +710,11 @@ class SqlLightningStore(LightningStore):
             RS = s.resources
             where = [RS.c.run_id == run_id]
             if resources_id is not None:
-                where.append(RS.c.resources_id == resources_id if _storable(resources_id) else f.false())
+                where.append(RS.c.resources_id == resources_id if is_storable_text(resources_id) else f.false())
             if resources_id_contains is not None:
                 where.append(
                     d.contains(ctx, RS.c.resources_id, resources_id_contains)
-                    if _storable(resources_id_contains)
+                    if is_storable_text(resources_id_contains)
                     else f.false()
                 )
             return _paginate(
@@ -1121,7 +748,7 @@ class SqlLightningStore(LightningStore):
         )
 
     async def get_worker_by_id(self, worker_id: str) -> Worker | None:
-        if not _storable(worker_id):
+        if not is_storable_text(worker_id):
             return None
         return await self._call(
             "get_worker_by_id", lambda ctx, run_id, now: worker_units.get_worker(ctx, run_id, worker_id), write=False
@@ -1150,7 +777,7 @@ class SqlLightningStore(LightningStore):
                 conditions.append(f.within(W.c.status, status_list))
             if worker_id_contains is not None:
                 conditions.append(
-                    d.contains(ctx, W.c.worker_id, worker_id_contains) if _storable(worker_id_contains) else f.false()
+                    d.contains(ctx, W.c.worker_id, worker_id_contains) if is_storable_text(worker_id_contains) else f.false()
                 )
             where = [W.c.run_id == run_id]
             if conditions:
@@ -1183,7 +810,7 @@ class SqlLightningStore(LightningStore):
         return await self._submit(worker, run_units.list_runs, write=False)
 
     async def get_run(self, name: str) -> Run | None:
-        if not _storable(name):
+        if not is_storable_text(name):
             return None
         worker, _ = await self._prepare(needs_run=False)
         return await self._submit(worker, lambda ctx: run_units.get_run(ctx, name), write=False)
@@ -1197,7 +824,7 @@ class SqlLightningStore(LightningStore):
     async def delete_run(self, name: str) -> bool:
         """Delete a run and everything in it, in short batches; False for an unknown name."""
         self._check_writable("delete_run")
-        if not _storable(name):
+        if not is_storable_text(name):
             return False
         worker, _ = await self._prepare(needs_run=False)
         run_id = await self._submit(worker, lambda ctx: run_units.run_id_of(ctx, name), write=False)
@@ -1208,29 +835,6 @@ class SqlLightningStore(LightningStore):
         if name == self._run_name:
             self._run_id = None
         return True
-
-    async def close(self) -> None:
-        """Release this instance's hold on its I/O worker (the last instance closes it)."""
-        with self._attach_lock:
-            worker, self._worker = self._worker, None
-            self._closed = True
-            self._run_id = None if self._target.kind == "sqlite-memory" else self._run_id
-            self._close_count += 1
-            waits = list(self._waits)
-        for loop, event in waits:  # release this instance's waiters: they wake and end
-            try:
-                loop.call_soon_threadsafe(event.set)
-            except RuntimeError:  # the waiter's loop is closed
-                pass
-        if worker is not None and worker.pid == os.getpid():
-            release_worker(worker)
-
-    async def __aenter__(self) -> SqlLightningStore:
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        await self.close()
-
 
 def _json_roundtrip_value(value: Any) -> Any:
     """What a JSON value reads back as (tuples become lists), without encoding it again."""
@@ -1265,4 +869,3 @@ def _paginate(
     return PaginatedResult(items=build(rows), limit=limit, offset=offset, total=total)
 
 
-_ = IntegrityError

@@ -1,0 +1,410 @@
+"""Per-instance plumbing of ``SqlLightningStore`` (contract §0, §2.15, §4).
+
+Everything an instance holds besides the contract's methods: its options and their validation, the
+run it is bound to, the store clock, the hand-off of units to the process's I/O worker (with
+cancellation), the lazy sweeper's debounce, waiters released by ``close()``, pickling and fork
+handling.  Durable state lives in the database; this is the little that lives in the instance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any, Self, TypeVar
+
+from sqlalchemy import URL
+
+from lightning_sql.store.sql import dialect as d
+from lightning_sql.store.sql import runs as run_units
+from lightning_sql.store.sql import schema as s
+from lightning_sql.store.sql import sweeper
+from lightning_sql.store.sql.engine import (
+    DatabaseTarget,
+    IoWorker,
+    SchemaUnit,
+    UnitContext,
+    acquire_worker,
+    normalise_url,
+    release_worker,
+)
+from lightning_sql.store.sql.rows import encoded
+from lightning_sql.types import LightningStoreCapabilities, RolloutConfig, check_text, generate_id
+
+logger = logging.getLogger("lightning_sql.store.sql.store")
+
+T = TypeVar("T")
+
+# How often an instance re-measures its offset to the PostgreSQL server's clock (§0.2).
+CLOCK_SYNC_INTERVAL_S = 300.0
+_SQLITE_ENGINE_OPTIONS = {"busy_timeout", "echo"}
+_PG_ENGINE_OPTIONS = {"pool_size", "max_overflow", "pool_timeout", "pool_recycle", "pool_pre_ping", "connect_args", "echo"}
+
+
+# Every live instance of this process, so that a forked child can reset their per-process state.
+_INSTANCES: weakref.WeakSet[StoreInstance] = weakref.WeakSet()
+
+
+def _reset_instances_after_fork() -> None:
+    # Runs in the child right after fork(), single-threaded: locks held by the parent's other threads
+    # and flags of the parent's in-flight calls (a lazy sweep, waits) do not belong to the child.
+    for instance in list(_INSTANCES):
+        instance._sweep_lock = threading.Lock()
+        instance._attach_lock = threading.Lock()
+        instance._sweeping = False
+        instance._waits = set()
+
+
+os.register_at_fork(after_in_child=_reset_instances_after_fork)
+
+
+def _generated_run_name() -> str:
+    return f"run-{datetime.now().strftime('%Y%m%d-%H%M%S')}-{generate_id(4)}"
+
+
+class StoreInstance:
+    """Options, run binding, clock, I/O hand-off, sweep debounce and lifecycle of one store instance."""
+
+    def __init__(
+        self,
+        url: str | URL = "sqlite:///lightning_sql.db",
+        *,
+        run: str | None = None,
+        create_run: bool = True,
+        run_metadata: dict[str, Any] | None = None,
+        read_only: bool = False,
+        clock: Callable[[], float] | None = None,
+        clock_sync: bool | None = None,
+        default_rollout_config: RolloutConfig | None = None,
+        scan_debounce_seconds: float = 10.0,
+        connect_deadline_seconds: float = 30.0,
+        auto_migrate: bool = True,
+        schema: str = s.DEFAULT_PG_SCHEMA,
+        **engine_options: Any,
+    ) -> None:
+        target = normalise_url(url)
+        if run is not None and (not isinstance(run, str) or not run):
+            raise ValueError(f"run must be a non-empty str or None, got {run!r}")
+        if run is not None:
+            check_text(run, "run")
+        for name, value in (("create_run", create_run), ("read_only", read_only), ("auto_migrate", auto_migrate)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {value!r}")
+        if clock is not None and not callable(clock):
+            raise TypeError(f"clock must be a zero-argument callable or None, got {clock!r}")
+        if clock_sync is not None and not isinstance(clock_sync, bool):
+            raise TypeError(f"clock_sync must be a bool or None, got {clock_sync!r}")
+        if clock_sync and target.dialect == "sqlite":
+            raise ValueError("clock_sync=True needs a server clock: SQLite has none (use PostgreSQL or clock_sync=False)")
+        for option, number in (
+            ("scan_debounce_seconds", scan_debounce_seconds),
+            ("connect_deadline_seconds", connect_deadline_seconds),
+        ):
+            if isinstance(number, bool) or not isinstance(number, (int, float)):
+                raise TypeError(f"{option} must be a number, got {number!r}")
+        if connect_deadline_seconds < 0:
+            raise ValueError(f"connect_deadline_seconds must be >= 0, got {connect_deadline_seconds!r}")
+        if default_rollout_config is not None and not isinstance(default_rollout_config, RolloutConfig):
+            raise TypeError(f"default_rollout_config must be a RolloutConfig or None, got {default_rollout_config!r}")
+        if not isinstance(schema, str) or not schema:
+            raise ValueError(f"schema must be a non-empty str, got {schema!r}")
+        if target.dialect == "sqlite" and schema != s.DEFAULT_PG_SCHEMA:
+            raise ValueError(f"schema={schema!r} applies to PostgreSQL only; SQLite files have no schemas")
+        allowed = _PG_ENGINE_OPTIONS if target.dialect == "postgresql" else _SQLITE_ENGINE_OPTIONS
+        for key in engine_options:
+            if key not in allowed:
+                raise ValueError(
+                    f"Unknown engine option {key!r} for the {target.dialect} backend (allowed: {sorted(allowed)})"
+                )
+        if run_metadata is not None:
+            encoded(run_metadata, "run_metadata")
+
+        self._url = url if isinstance(url, str) else url.render_as_string(hide_password=False)
+        self._target: DatabaseTarget = target
+        self._run_name: str | None = run
+        if run is None and create_run and not read_only:
+            self._run_name = _generated_run_name()
+            logger.info("Starting new run %s on %s", self._run_name, target.masked)
+        self._create_run = create_run
+        self._run_metadata = run_metadata
+        self.read_only = read_only
+        self._clock = clock
+        self._clock_sync = (target.dialect == "postgresql") if clock_sync is None else clock_sync
+        self.default_rollout_config = default_rollout_config
+        self.scan_debounce_seconds = float(scan_debounce_seconds)
+        self.connect_deadline_seconds = float(connect_deadline_seconds)
+        self._auto_migrate = auto_migrate
+        self._schema = schema
+        self._engine_options = engine_options
+        self._init_runtime_state()
+
+    def _init_runtime_state(self) -> None:
+        self._created_monotonic = time.monotonic()
+        self._pid = os.getpid()
+        self._worker: IoWorker | None = None
+        self._run_id: int | None = None
+        self._offset = 0.0
+        self._offset_measured_at: float | None = None
+        self._last_sweep: float | None = None
+        self._sweep_lock = threading.Lock()
+        self._sweeping = False
+        self._attach_lock = threading.Lock()
+        self._closed = False
+        # Waits in progress on this instance and the number of close() calls so far: close() wakes
+        # them and they end (§4 close releases this instance's waiters).
+        self._waits: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
+        self._close_count = 0
+        _INSTANCES.add(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self._target.kind == "sqlite-memory":
+            raise TypeError(f"An in-memory SQLite store ({self._target.masked}) cannot be pickled: a copy could not see its data")
+        state = {
+            k: v
+            for k, v in self.__dict__.items()
+            if k
+            not in (
+                "_worker",
+                "_sweep_lock",
+                "_attach_lock",
+                "_run_id",
+                "_offset",
+                "_offset_measured_at",
+                "_last_sweep",
+                "_sweeping",
+                "_pid",
+                "_created_monotonic",
+                "_closed",
+                "_waits",
+                "_close_count",
+            )
+        }
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_runtime_state()
+
+    def __repr__(self) -> str:
+        return f"SqlLightningStore({self._target.masked!r}, run={self._run_name!r})"
+
+    @property
+    def run(self) -> str | None:
+        """The name of the run this instance is bound to."""
+        return self._run_name
+
+    @property
+    def url(self) -> str:
+        """The database URL with its password masked."""
+        return self._target.masked
+
+    @property
+    def dialect(self) -> str:
+        return self._target.dialect
+
+    @property
+    def capabilities(self) -> LightningStoreCapabilities:
+        return LightningStoreCapabilities(
+            thread_safe=True,
+            async_safe=True,
+            zero_copy=self._target.kind != "sqlite-memory",
+            otlp_traces=False,
+        )
+
+    def otlp_traces_endpoint(self) -> str:
+        raise NotImplementedError("SqlLightningStore does not expose an OTLP endpoint")
+
+    def _local_now(self) -> float:
+        return float(self._clock()) if self._clock is not None else time.time()
+
+    def now(self) -> float:
+        """One reading of the store clock: local clock + measured offset (no I/O)."""
+        return self._local_now() + self._offset
+
+    async def _sync_clock(self, worker: IoWorker) -> None:
+        local = self._local_now()
+        if self._offset_measured_at is not None and abs(local - self._offset_measured_at) < CLOCK_SYNC_INTERVAL_S:
+            return
+        holder: dict[str, float] = {}
+
+        def read_server(ctx: UnitContext) -> float:
+            holder["sent"] = self._local_now()
+            value = float(ctx.conn.execute(d.server_epoch(ctx)).scalar_one())
+            holder["received"] = self._local_now()
+            return value
+
+        server = await self._submit(worker, read_server, write=False)
+        self._offset = server - (holder["sent"] + holder["received"]) / 2
+        self._offset_measured_at = local
+
+    def _attach(self) -> IoWorker:
+        with self._attach_lock:
+            pid = os.getpid()
+            if pid != self._pid:
+                # A forked child: the inherited worker belongs to the parent; forget it unclosed.
+                if self._target.kind == "sqlite-memory":
+                    raise RuntimeError("An in-memory SQLite store cannot be used in a forked child process")
+                self._pid = pid
+                self._worker = None
+                self._run_id = None
+                self._offset_measured_at = None
+            if self._closed and self._target.kind == "sqlite-memory":
+                raise RuntimeError("This in-memory SQLite store is closed")
+            self._closed = False
+            if self._worker is None or self._worker.closed:
+                self._worker = acquire_worker(
+                    self._target,
+                    schema=self._schema if self._target.dialect == "postgresql" else None,
+                    options=self._engine_options,
+                )
+            return self._worker
+
+    async def _submit(self, worker: IoWorker, unit: Callable[[UnitContext], T], *, write: bool) -> T:
+        fut = worker.submit(unit, write=write, deadline_s=self.connect_deadline_seconds)
+        afut = asyncio.wrap_future(fut)
+        try:
+            return await asyncio.shield(afut)
+        except asyncio.CancelledError:
+            # The unit was handed over: let it complete or roll back as a whole, then re-raise.
+            while not afut.done():
+                try:
+                    await asyncio.shield(afut)
+                except asyncio.CancelledError:
+                    continue
+                except BaseException:  # noqa: BLE001 - the caller is cancelled anyway
+                    break
+            raise
+
+    async def _prepare(self, *, needs_run: bool = True) -> tuple[IoWorker, int | None]:
+        worker = self._attach()
+        if worker._schema_ready is None:
+            await self._submit(worker, SchemaUnit(self._auto_migrate, self.read_only), write=True)
+        if self._clock_sync:
+            await self._sync_clock(worker)
+        if not needs_run:
+            return worker, None
+        if self._run_id is None:
+            name = self._run_name
+            if name is None:
+                raise ValueError(
+                    "This store is bound to no run (run=None with create_run=False or read_only=True): "
+                    "pass run=<name>"
+                )
+            create = self._create_run and not self.read_only
+            metadata = encoded(self._run_metadata, "run_metadata")
+            now = self.now()
+            self._run_id = await self._submit(
+                worker,
+                lambda ctx: run_units.resolve_run(ctx, name, now, create=create, metadata=metadata),
+                write=create,
+            )
+        return worker, self._run_id
+
+    def _check_writable(self, method: str) -> None:
+        if self.read_only:
+            raise PermissionError(f"{method}() writes to the store, but this store is read_only=True")
+
+    async def _call(
+        self,
+        method: str,
+        unit: Callable[[UnitContext, int, float], T],
+        *,
+        write: bool,
+        sweeps: bool = False,
+    ) -> T:
+        """Run one unit for the bound run; ``unit(ctx, run_id, now)``."""
+        if write:
+            self._check_writable(method)
+        worker, run_id = await self._prepare()
+        assert run_id is not None
+        if sweeps:
+            await self._maybe_sweep(worker, run_id)
+        now = self.now()
+        return await self._submit(worker, lambda ctx: unit(ctx, run_id, now), write=write)
+
+    def _sweep_due(self) -> bool:
+        if self.read_only:
+            return False
+        with self._sweep_lock:
+            if self._sweeping:
+                return False
+            now = self.now()
+            if self.scan_debounce_seconds > 0 and self._last_sweep is not None:
+                elapsed = now - self._last_sweep
+                if 0 <= elapsed < self.scan_debounce_seconds:
+                    return False
+            self._sweeping = True
+            self._last_sweep = now
+            return True
+
+    async def _sweep_only(self) -> None:
+        """The [sweeps] part of a call that has nothing else to do (empty batch, unmatchable id)."""
+        worker, run_id = await self._prepare()
+        assert run_id is not None
+        await self._maybe_sweep(worker, run_id)
+
+    async def _maybe_sweep(self, worker: IoWorker, run_id: int) -> None:
+        if not self._sweep_due():
+            return
+        try:
+            now = self.now()
+            await self._submit(worker, lambda ctx: sweeper.expire_leases(ctx, run_id, now), write=True)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - a lazy sweep must not fail the caller's call
+            logger.warning("Lazy sweep failed; it will be retried", exc_info=True)
+        finally:
+            with self._sweep_lock:
+                self._sweeping = False
+
+    async def sweep(self, all_runs: bool = False) -> int:
+        """Run the sweeper now (ignoring the debounce); returns the number of attempts it expired."""
+        self._check_writable("sweep")
+        worker, run_id = await self._prepare(needs_run=not all_runs)
+        with self._sweep_lock:
+            self._last_sweep = self.now()
+        now = self.now()
+        target = None if all_runs else run_id
+        return await self._submit(worker, lambda ctx: sweeper.expire_leases(ctx, target, now), write=True)
+
+    def _register_wait(self, worker: IoWorker, run_id: int) -> tuple[tuple[asyncio.AbstractEventLoop, asyncio.Event], int]:
+        entry = worker.hub.register(run_id)
+        with self._attach_lock:
+            self._waits.add(entry)
+            return entry, self._close_count
+
+    def _unregister_wait(self, worker: IoWorker, run_id: int, entry: tuple[asyncio.AbstractEventLoop, asyncio.Event]) -> None:
+        worker.hub.unregister(run_id, entry)
+        with self._attach_lock:
+            self._waits.discard(entry)
+
+    def _check_not_closed_since(self, method: str, close_count: int) -> None:
+        if self._close_count != close_count:
+            raise RuntimeError(f"{method}(): the store was closed while waiting")
+
+    async def close(self) -> None:
+        """Release this instance's hold on its I/O worker (the last instance closes it)."""
+        with self._attach_lock:
+            worker, self._worker = self._worker, None
+            self._closed = True
+            self._run_id = None if self._target.kind == "sqlite-memory" else self._run_id
+            self._close_count += 1
+            waits = list(self._waits)
+        for loop, event in waits:  # release this instance's waiters: they wake and end
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:  # the waiter's loop is closed
+                pass
+        if worker is not None and worker.pid == os.getpid():
+            release_worker(worker)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
