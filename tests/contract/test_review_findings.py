@@ -96,11 +96,11 @@ async def test_sweeping_calls_sweep_even_when_they_have_nothing_else_to_do(store
 RELEASE_BOUND_S = 20.0
 
 
-def _waits(st: SqlLightningStore, rollout_id: str) -> dict[str, object]:
-    return {
-        "wait_for_rollouts": st.wait_for_rollouts(rollout_ids=[rollout_id], timeout=600),
-        "wait_for_queue": st.wait_for_queue(timeout=600),
-    }
+def _start_wait(st: SqlLightningStore, rollout_id: str, wait: str) -> asyncio.Task[object]:
+    """A task running one long wait of ``st`` (only the coroutine asked for is created)."""
+    if wait == "wait_for_rollouts":
+        return asyncio.create_task(st.wait_for_rollouts(rollout_ids=[rollout_id], timeout=600))
+    return asyncio.create_task(st.wait_for_queue(timeout=600))
 
 
 @pytest.mark.parametrize("wait", ["wait_for_rollouts", "wait_for_queue"])
@@ -111,11 +111,10 @@ async def test_close_releases_this_instances_waiters(backend, store_factory, wai
     st = store_factory()
     ar = await st.start_rollout(1)  # in flight: neither finished nor queued, so both waits block
     others = [store_factory() for _ in range(1 if backend.persistent else 0)]
-    other_waits = [asyncio.create_task(_waits(o, ar.rollout_id)[wait]) for o in others]  # type: ignore[arg-type]
+    other_waits = [_start_wait(o, ar.rollout_id, wait) for o in others]
     for o in others:
         await o.statistics()
-    coro = _waits(st, ar.rollout_id)[wait]
-    waiter = asyncio.create_task(coro)  # type: ignore[arg-type]
+    waiter = _start_wait(st, ar.rollout_id, wait)
     await asyncio.sleep(0.3)
     assert not waiter.done()
     t0 = time.monotonic()
