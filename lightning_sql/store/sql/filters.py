@@ -105,7 +105,7 @@ _NULL_AS = {"str": "", "int": 0, "float": 0.0}
 def check_sort(spec: SortSpec, sort_by: str | None, sort_order: str) -> None:
     """Raise the contract's ``ValueError`` for an unknown or non-scalar field or a bad order."""
     if sort_order not in ("asc", "desc"):
-        raise ValueError(f"sort_order must be 'asc' or 'desc', got {sort_order!r}")
+        raise ValueError(f"Unsupported sort order {sort_order!r}")
     if sort_by is None:
         return
     if not isinstance(sort_by, str) or (sort_by not in spec.scalar and sort_by not in spec.non_scalar):
@@ -147,7 +147,7 @@ def check_pagination(limit: int, offset: int) -> None:
 
 def check_logic(filter_logic: str) -> None:
     if filter_logic not in ("and", "or"):
-        raise ValueError(f"filter_logic must be 'and' or 'or', got {filter_logic!r}")
+        raise ValueError(f"Unsupported filter aggregate {filter_logic!r}")
 
 
 def within(column: Any, values: Sequence[Any]) -> ColumnElement[bool]:

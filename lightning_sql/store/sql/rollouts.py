@@ -270,7 +270,7 @@ def start_rollout(
             start_time=now,
         )
     )
-    if worker_id is not None:
+    if worker_id:  # upstream's worker sync skips a falsy id
         sync_worker(ctx, run_id, now, worker_id, "preparing", item.rollout_id, attempt_id, claim=False)
     attempt = Attempt.model_construct(
         rollout_id=item.rollout_id,
@@ -318,12 +318,11 @@ def claim(
         out = _replayed_claim(ctx, run_id, attempt_ids) if ctx.attempt > 0 else []
         if not out:
             out = _claim_fresh(ctx, run_id, now, attempt_ids, worker_id)
-    if worker_id is not None:
-        if out:
-            last = out[-1]
-            sync_worker(ctx, run_id, now, worker_id, "preparing", last.rollout_id, last.attempt.attempt_id, claim=True)
-        else:
-            mark_idle_on_empty_queue(ctx, run_id, now, worker_id)
+    if out and worker_id:  # upstream's worker sync skips a falsy id...
+        last = out[-1]
+        sync_worker(ctx, run_id, now, worker_id, "preparing", last.rollout_id, last.attempt.attempt_id, claim=True)
+    elif not out and worker_id is not None:  # ...but its empty-queue idle marking does not
+        mark_idle_on_empty_queue(ctx, run_id, now, worker_id)
     return out
 
 
@@ -486,7 +485,7 @@ def start_attempt(
                 start_time=now,
             )
         )
-        if worker_id is not None:
+        if worker_id:  # upstream's worker sync skips a falsy id
             sync_worker(ctx, run_id, now, worker_id, "preparing", rollout_id, attempt_id, claim=False)
         existing = _attempt(ctx, run_id, rollout_id, attempt_id)
         row = lock_rollout(ctx, run_id, rollout_id)
@@ -684,13 +683,16 @@ def get_latest_attempt(ctx: UnitContext, run_id: int, rollout_id: str) -> Attemp
     return attempt_from_row(row) if row is not None else None
 
 
-def finished_rollouts(ctx: UnitContext, run_id: int, rollout_ids: Sequence[str]) -> tuple[list[Rollout], int]:
-    """(finished rollouts among the ids, number of ids that exist)."""
+def finished_rollouts(
+    ctx: UnitContext, run_id: int, rollout_ids: Sequence[str]
+) -> tuple[list[Rollout], int, int]:
+    """(finished rollouts in request order, one per requested id as upstream returns them; number of
+    distinct ids that exist; number of distinct ids finished)."""
     rows = ctx.conn.execute(
         select(*ROLLOUT_COLUMNS).where(R.c.run_id == run_id, R.c.rollout_id.in_(sorted(set(rollout_ids))))
     ).all()
     finished = {row.rollout_id: rollout_from_row(row) for row in rows if row.status in FINISHED_STATUSES}
-    return [finished[rid] for rid in dict.fromkeys(rollout_ids) if rid in finished], len(rows)
+    return [finished[rid] for rid in rollout_ids if rid in finished], len(rows), len(finished)
 
 
 def queue_depth(ctx: UnitContext, run_id: int) -> int:

@@ -83,6 +83,16 @@ _MODES = ("train", "val", "test")
 _WORKER_STATUSES = ("idle", "busy", "unknown")
 
 
+def _invalid_rollout_field(field: str, value: Any, model: str = "Rollout") -> None:
+    """Raise pydantic's ValidationError for a value a model field cannot take (as upstream), or a
+    ``TypeError`` naming the field when pydantic would coerce it (e.g. pairs into a dict)."""
+    if model == "Attempt":
+        Attempt.model_validate({"rollout_id": "x", "attempt_id": "y", "sequence_id": 1, "start_time": 0.0, field: value})
+    else:
+        Rollout.model_validate({"rollout_id": "x", "input": None, "start_time": 0.0, field: value})
+    raise TypeError(f"{field} must be a dict or None, got a value of type {type(value).__name__}")
+
+
 def _validate_literal(value: Any, allowed: Sequence[str], field: str, model: str) -> None:
     if value not in allowed:
         from pydantic import ValidationError
@@ -123,7 +133,7 @@ class SqlLightningStore(StoreInstance, LightningStore):
         else:
             config = RolloutConfig.model_validate(config)
         if metadata is not None and not isinstance(metadata, dict):
-            raise TypeError(f"{where}metadata must be a dict or None, got a value of type {type(metadata).__name__}")
+            _invalid_rollout_field("metadata", metadata)
         metadata_value = dict(metadata) if metadata is not None else {}
         if idempotency_key is not None:
             if not isinstance(idempotency_key, str) or not idempotency_key:
@@ -269,7 +279,7 @@ class SqlLightningStore(StoreInstance, LightningStore):
             changes["config"] = config
         if not isinstance(metadata, Unset):
             if metadata is not None and not isinstance(metadata, dict):
-                raise TypeError(f"metadata must be a dict or None, got a value of type {type(metadata).__name__}")
+                _invalid_rollout_field("metadata", metadata)
             changes["metadata"] = encoded(metadata, "metadata")
         if not is_storable_text(rollout_id):
             raise ValueError(f"Item does not exist with primary key(s): rollout_id='{rollout_id}'")
@@ -306,12 +316,13 @@ class SqlLightningStore(StoreInstance, LightningStore):
                     {"rollout_id": "x", "attempt_id": "y", "sequence_id": 1, "start_time": 0.0,
                      "last_heartbeat_time": last_heartbeat_time}
                 )
+                last_heartbeat_time = float(last_heartbeat_time)  # pydantic accepted it as a number
             if last_heartbeat_time is not None and not math.isfinite(last_heartbeat_time):
                 raise ValueError(f"last_heartbeat_time must be a finite number, got {last_heartbeat_time!r}")
             changes["last_heartbeat_time"] = None if last_heartbeat_time is None else float(last_heartbeat_time)
         if not isinstance(metadata, Unset):
             if metadata is not None and not isinstance(metadata, dict):
-                raise TypeError(f"metadata must be a dict or None, got a value of type {type(metadata).__name__}")
+                _invalid_rollout_field("metadata", metadata, "Attempt")
             changes["metadata"] = encoded(metadata, "metadata")
         self._check_ids_for_attempt(rollout_id, attempt_id)
         return await self._call(
@@ -354,14 +365,12 @@ class SqlLightningStore(StoreInstance, LightningStore):
         idempotency_key_in: Sequence[str] | None = None,
     ) -> PaginatedResult[Rollout | AttemptedRollout]:
         if status is not None:
-            warnings.warn("query_rollouts(status=...) is deprecated; use status_in", DeprecationWarning, stacklevel=2)
-            if status_in is None:
+            if status_in is None:  # upstream warns only when the deprecated alias is used
+                warnings.warn("status is deprecated, use status_in instead", DeprecationWarning, stacklevel=2)
                 status_in = status
         if rollout_ids is not None:
-            warnings.warn(
-                "query_rollouts(rollout_ids=...) is deprecated; use rollout_id_in", DeprecationWarning, stacklevel=2
-            )
             if rollout_id_in is None:
+                warnings.warn("rollout_ids is deprecated, use rollout_id_in instead", DeprecationWarning, stacklevel=2)
                 rollout_id_in = rollout_ids
         f.check_logic(filter_logic)
         f.check_sort(f.ROLLOUT_SORT, sort_by, sort_order)
@@ -473,11 +482,11 @@ class SqlLightningStore(StoreInstance, LightningStore):
         assert run_id is not None
         deadline = None if timeout is None else time.monotonic() + max(float(timeout), 0.0)
 
-        def done(result: tuple[list[Rollout], int]) -> bool:
-            finished, known = result
-            return len(finished) >= known or (return_when == "first" and bool(finished))
+        def done(result: tuple[list[Rollout], int, int]) -> bool:
+            _finished, known, finished_distinct = result
+            return finished_distinct >= known or (return_when == "first" and finished_distinct > 0)
 
-        async def read() -> tuple[list[Rollout], int]:
+        async def read() -> tuple[list[Rollout], int, int]:
             await self._maybe_sweep(worker, run_id)
             return await self._submit(worker, lambda ctx: ro.finished_rollouts(ctx, run_id, ids), write=False)
 
