@@ -9,10 +9,25 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from typing import Any, NoReturn
 
 from pydantic import BaseModel
+
+
+def _limit_from_env(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a positive integer number of bytes, got {raw!r}") from None
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive integer number of bytes, got {raw!r}")
+    return value
+
 
 __all__ = [
     "MAX_JSON_DEPTH",
@@ -25,7 +40,9 @@ __all__ = [
 ]
 
 MAX_JSON_DEPTH = 64  # deeper values are almost certainly cycles or bugs; keeps the walk's recursion bounded
-MAX_JSON_BYTES = 16 * 1024 * 1024  # per stored value; far above any sane span/input, well below driver limits
+# Per stored value (one input, one span's attributes, ...): far above any sane payload, well below
+# driver limits.  Deployments that want a tighter cap set LIGHTNING_SQL_MAX_JSON_BYTES (read at import).
+MAX_JSON_BYTES = _limit_from_env("LIGHTNING_SQL_MAX_JSON_BYTES", 16 * 1024 * 1024)
 MAX_ID_CHARS = 1024  # ids and names are index keys; PostgreSQL caps a btree row at ~8 KB
 
 # UTF-8 needs at most 4 bytes per code point: text this short cannot exceed the limit, so we skip encoding it.
