@@ -34,16 +34,28 @@ echo "== lint and types"
 "$PYTHON" -m ruff check lightning_sql tests benchmarks examples
 "$PYTHON" -m mypy lightning_sql
 
+run_pytest() {
+  set +e
+  "$PYTHON" -m pytest -p no:cacheprovider -q -rs --durations=15 "$@"
+  local status=$?
+  set -e
+  if [ "$status" -eq 5 ]; then
+    echo "pytest collected no tests: that is a failure" >&2
+    exit 1
+  fi
+  [ "$status" -eq 0 ] || exit "$status"
+}
+
 echo "== tests"
-set +e
-"$PYTHON" -m pytest -p no:cacheprovider -q -rs --durations=15 "$@"
-status=$?
-set -e
-if [ "$status" -eq 5 ]; then
-  echo "pytest collected no tests: that is a failure" >&2
-  exit 1
+if [ "$#" -gt 0 ]; then
+  run_pytest "$@"
+else
+  run_pytest --ignore=tests/contrib
+  # Agent-Lightning keeps process-wide tracer state (OpenTelemetry provider, active tracer) and forks
+  # its runners: its end-to-end tests get an interpreter of their own.
+  echo "== tests (Agent-Lightning bridge)"
+  run_pytest tests/contrib
 fi
-[ "$status" -eq 0 ] || exit "$status"
 
 if [ "$#" -eq 0 ]; then
   echo "== benchmarks (smallest size, no thresholds: keeps the benchmark code honest)"

@@ -26,6 +26,7 @@ import random
 import sqlite3
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +50,7 @@ SQLITE_DATA_VERSION_POLL_S = 0.05  # how fast another process's commit wakes a w
 PG_POOL_SIZE = 10  # concurrent units per process; claims and span writes overlap on PostgreSQL
 PG_MAX_OVERFLOW = 10
 PG_LISTEN_RECONNECT_S = 1.0  # how soon a lost LISTEN connection is re-established
+FORK_QUIESCE_TIMEOUT_S = 2.0  # how long fork() waits for an I/O thread to leave SQLite
 RETRY_BASE_DELAY_S = 0.01  # first back-off after a transient error; doubles up to the cap
 RETRY_MAX_DELAY_S = 1.0
 NOTIFY_CHANNEL = "lightning_sql_v1"
@@ -364,6 +366,9 @@ class SqliteThreadWorker(IoWorker):
         self._engine: Engine | None = None
         self._conn: Connection | None = None
         self._data_version: int | None = None
+        # Held while this thread is inside SQLite; fork() waits for it (see _quiesce_before_fork).
+        self.busy = threading.Lock()
+        _SQLITE_THREAD_WORKERS.add(self)
         self._thread = threading.Thread(
             target=self._main, name=f"lightning-sql-io[{target.masked}]", daemon=True
         )
@@ -459,9 +464,10 @@ class SqliteThreadWorker(IoWorker):
                 fut.set_result(result)
             if self.hub.has_waiters:
                 self._poll_data_version()
-        self._drop_connection()
-        if self._engine is not None:
-            self._engine.dispose()
+        with self.busy:
+            self._drop_connection()
+            if self._engine is not None:
+                self._engine.dispose()
 
     def _connection(self) -> Connection:
         """The thread's one connection, kept open between units (a checkout per unit costs more
@@ -481,6 +487,10 @@ class SqliteThreadWorker(IoWorker):
                 logger.debug("closing the SQLite connection failed", exc_info=True)
 
     def _poll_data_version(self) -> None:
+        with self.busy:
+            self._poll_data_version_unlocked()
+
+    def _poll_data_version_unlocked(self) -> None:
         try:
             conn = self._connection()
             version = conn.exec_driver_sql("PRAGMA data_version").scalar()
@@ -498,23 +508,8 @@ class SqliteThreadWorker(IoWorker):
         attempt = 0
         while True:
             try:
-                conn = self._connection()
-                if isinstance(unit, SchemaUnit):
-                    self.ensure_schema_locked(conn, auto_migrate=unit.auto_migrate, read_only=unit.read_only)
-                    return None  # type: ignore[return-value]
-                conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
-                ctx = UnitContext(conn, "sqlite", attempt=attempt)
-                try:
-                    result = unit(ctx)
-                    conn.commit()
-                except BaseException:
-                    try:
-                        conn.rollback()
-                    except BaseException:  # noqa: BLE001 - a broken connection is replaced
-                        self._drop_connection()
-                    raise
-                self._after_commit(ctx)
-                return result
+                with self.busy:  # inside SQLite: a fork() waits (released during back-off sleeps)
+                    return self._try_unit(unit, write, attempt)
             except StoreUnavailableError:
                 raise  # already decided: no retry
             except BaseException as exc:
@@ -529,6 +524,26 @@ class SqliteThreadWorker(IoWorker):
                     raise self._unavailable(exc) from exc
                 time.sleep(_backoff(attempt))
                 attempt += 1
+
+    def _try_unit(self, unit: Unit[T], write: bool, attempt: int) -> T:
+        """One try of a unit: one transaction on the thread's connection."""
+        conn = self._connection()
+        if isinstance(unit, SchemaUnit):
+            self.ensure_schema_locked(conn, auto_migrate=unit.auto_migrate, read_only=unit.read_only)
+            return None  # type: ignore[return-value]
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+        ctx = UnitContext(conn, "sqlite", attempt=attempt)
+        try:
+            result = unit(ctx)
+            conn.commit()
+        except BaseException:
+            try:
+                conn.rollback()
+            except BaseException:  # noqa: BLE001 - a broken connection is replaced
+                self._drop_connection()
+            raise
+        self._after_commit(ctx)
+        return result
 
 
 @dataclass(frozen=True)
@@ -841,15 +856,43 @@ def _close_all() -> None:
         worker.close()
 
 
+_held_across_fork: list[threading.Lock] = []
+_SQLITE_THREAD_WORKERS: weakref.WeakSet[SqliteThreadWorker] = weakref.WeakSet()
+
+
+def _quiesce_before_fork() -> None:
+    # SQLite keeps process-wide C mutexes (e.g. the unix VFS's inode-list lock).  A fork() while an
+    # I/O thread is inside SQLite copies them locked, and the child's first connection to any file
+    # then blocks forever.  So fork waits until no SQLite I/O thread of this process is inside SQLite
+    # (units are short), and lets them go on right after.
+    pid = os.getpid()
+    workers = [w for w in list(_SQLITE_THREAD_WORKERS) if w.pid == pid]
+    for worker in sorted(workers, key=id):
+        if worker.busy.acquire(timeout=FORK_QUIESCE_TIMEOUT_S):
+            _held_across_fork.append(worker.busy)
+        # else: a unit inside SQLite for that long is waiting for another process's lock in the
+        # busy handler (a sleep that holds no process-wide mutex): fork anyway rather than stall.
+
+
+def _resume_after_fork_in_parent() -> None:
+    while _held_across_fork:
+        _held_across_fork.pop().release()
+
+
 def _after_fork_in_child() -> None:
     # Inherited threads do not exist in the child and the connections belong to the parent: forget
-    # them without closing them.
+    # them without closing them (the busy locks copied held go with them).
     global _registry_lock
+    _held_across_fork.clear()
     _registry_lock = threading.Lock()
     _registry.clear()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(
+    before=_quiesce_before_fork,
+    after_in_parent=_resume_after_fork_in_parent,
+    after_in_child=_after_fork_in_child,
+)
 
 import atexit  # noqa: E402
 
