@@ -84,13 +84,6 @@ def allocate_positions(ctx: UnitContext, run_id: int, count: int) -> list[int]:
     return list(range(int(end) - count + 1, int(end) + 1))
 
 
-def position_expr(ctx: UnitContext, run_id: int) -> Any:
-    """A SQL expression giving one fresh position, for single-row inserts/upserts."""
-    if ctx.dialect == "postgresql":
-        return s.position_seq.next_value()
-    return literal(allocate_positions(ctx, run_id, 1)[0])
-
-
 def server_epoch(ctx: UnitContext) -> Any:
     """The database server's clock in epoch seconds (only for measuring the clock offset, §0.2)."""
     return select(func.extract("epoch", func.clock_timestamp()))

@@ -443,11 +443,10 @@ class SqliteThreadWorker(IoWorker):
                 lock_file.close()
 
     def _main(self) -> None:
-        pending: list[Any] = []
         while True:
             try:
                 timeout = SQLITE_DATA_VERSION_POLL_S if self.hub.has_waiters else None
-                item = pending.pop(0) if pending else self._queue.get(timeout=timeout)
+                item = self._queue.get(timeout=timeout)
             except queue.Empty:
                 self._poll_data_version()
                 continue

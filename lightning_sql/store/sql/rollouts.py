@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import and_, bindparam, func, select, tuple_, update
+from sqlalchemy import bindparam, func, select, tuple_, update
 
 from lightning_sql.store.sql import dialect as d
 from lightning_sql.store.sql import schema as s
@@ -709,5 +709,3 @@ def has_queued(ctx: UnitContext, run_id: int) -> bool:
     ).first()
     return row is not None
 
-
-_ = and_
