@@ -359,14 +359,19 @@ async def test_30_concurrent_dequeues_over_20_rollouts(backend, store):
     await _claimers_over_queue(store, 30, 20, worker=False)
 
 
-async def test_concurrent_dequeue_many_never_double_claims(store):
+async def test_concurrent_dequeue_many_never_double_claims(backend, store):
     queued = await store.enqueue_many_rollouts([EnqueueRolloutRequest(input=i) for i in range(20)])
     batches = await asyncio.gather(
         *(store.dequeue_many_rollouts(limit=3, worker_id=f"w{i}") for i in range(12))
     )
     claimed = [ar.rollout_id for batch in batches for ar in batch]
     assert sorted(claimed) == sorted(r.rollout_id for r in queued)
-    assert sum(1 for b in batches if b == []) >= 12 - 7
+    assert all(len(b) <= 3 for b in batches)
+    if not backend.is_postgres:
+        # SQLite claims one batch at a time, so every batch but the last is full: 3 x 6 + 2.
+        assert sorted(len(b) for b in batches) == [0] * 5 + [2] + [3] * 6
+    # On PostgreSQL concurrent claims skip each other's locked rows (SKIP LOCKED), so batches may
+    # interleave and come back partly filled ("up to limit"); what must hold is that none overlaps.
 
 
 async def test_concurrent_claimers_on_several_instances(backend, store_factory):
