@@ -15,6 +15,11 @@ from typing import Any, NoReturn
 
 from pydantic import BaseModel
 
+try:
+    import orjson
+except ImportError:  # pragma: no cover - a core dependency; the standard encoder still works
+    orjson = None  # type: ignore[assignment]
+
 
 def _limit_from_env(name: str, default: int) -> int:
     raw = os.environ.get(name)
@@ -202,16 +207,29 @@ def encode_json(value: Any, field: str, *, allow_models: bool = False) -> str | 
     """
     if value is None:
         return None
+    kind = type(value)
+    if (kind is list or kind is dict) and not value:
+        return "[]" if kind is list else "{}"  # most span events / links: no walk, no encoder
     if allow_models and isinstance(value, BaseModel):
         value = value.model_dump(mode="json")
     check_json(value, field, allow_models=allow_models)
-    text = json.dumps(
-        value,
-        separators=(",", ":"),
-        ensure_ascii=False,
-        allow_nan=False,
-        default=_model_default if allow_models else None,
-    )
+    text: str | None = None
+    if orjson is not None:
+        # ~10x faster than json.dumps on span attributes; the walk above already refused what
+        # orjson would accept differently (NaN, non-str keys, depth).  Integers beyond 64 bits
+        # make it raise TypeError: the standard encoder below takes those.
+        try:
+            text = orjson.dumps(value, default=_model_default if allow_models else None).decode()
+        except TypeError:
+            text = None
+    if text is None:
+        text = json.dumps(
+            value,
+            separators=(",", ":"),
+            ensure_ascii=False,
+            allow_nan=False,
+            default=_model_default if allow_models else None,
+        )
     if len(text) > _SAFE_CHARS:
         size = len(text.encode("utf-8"))
         if size > MAX_JSON_BYTES:
