@@ -59,6 +59,9 @@ _RETRYABLE_ATTEMPT = ("failed", "timeout", "unresponsive")
 
 # Fixed text (no runtime values): one snapshot for every statement of the unit on PostgreSQL.
 _PG_SNAPSHOT = "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY"
+# Isolation levels of a connection whose transaction is one snapshot already (the store's worker
+# begins the checker's transaction as REPEATABLE READ READ ONLY: ``snapshot=True``).
+_PG_SNAPSHOTS = ("REPEATABLE READ", "SERIALIZABLE")
 
 R = s.rollouts
 A = s.attempts
@@ -468,7 +471,7 @@ def check_run(
         connection, dialect = conn.conn, conn.dialect
     else:
         connection, dialect = conn, conn.dialect.name
-    if dialect == "postgresql":
+    if dialect == "postgresql" and connection.get_execution_options().get("isolation_level") not in _PG_SNAPSHOTS:
         connection.execute(text(_PG_SNAPSHOT))
     run_id = _resolve_run_id(connection, run)
     if run_id is None:
@@ -494,8 +497,10 @@ async def check_invariants(store: SqlLightningStore, *, lifecycle: bool = True) 
     """
     worker, run_id = await store._prepare()
     assert run_id is not None
+    # snapshot=True: one REPEATABLE READ READ ONLY transaction on PostgreSQL (a store's other read
+    # units run without a transaction there); SQLite's read transaction is a snapshot already.
     return await store._submit(
-        worker, lambda ctx: check_run(ctx, run_id, lifecycle=lifecycle), write=False
+        worker, lambda ctx: check_run(ctx, run_id, lifecycle=lifecycle), write=False, snapshot=True
     )
 
 

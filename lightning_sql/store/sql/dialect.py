@@ -74,11 +74,11 @@ def allocate_positions(ctx: UnitContext, run_id: int, count: int) -> list[int]:
     if count <= 0:
         return []
     if ctx.dialect == "postgresql":
-        rows = ctx.conn.execute(
+        rows = ctx.execute(
             select(s.position_seq.next_value()).select_from(func.generate_series(1, count))
         ).scalars()
         return sorted(int(v) for v in rows)
-    end = ctx.conn.execute(
+    end = ctx.execute(
         update(s.runs).where(s.runs.c.run_id == run_id).values(seq=s.runs.c.seq + count).returning(s.runs.c.seq)
     ).scalar_one()
     return list(range(int(end) - count + 1, int(end) + 1))
@@ -114,7 +114,7 @@ def claim_in_one_statement(
         "claim_worker_id": worker_id,
         "claim_attempt_ids": list(attempt_ids),
     }
-    return list(ctx.conn.execute(stmt, params).all())
+    return list(ctx.execute(stmt, params).all())
 
 
 # Built once per column list: constructing this statement costs more Python than running it.

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import fcntl
 import json
 import logging
@@ -27,7 +28,7 @@ import sqlite3
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -37,7 +38,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import StaticPool
 
-from lightning_sql.store.sql import migrate
+from lightning_sql.store.sql import fastexec, migrate
 from lightning_sql.store.sql.errors import StoreUnavailableError
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,11 @@ PG_LISTEN_RECONNECT_S = 1.0  # how soon a lost LISTEN connection is re-establish
 FORK_QUIESCE_TIMEOUT_S = 2.0  # how long fork() waits for an I/O thread to leave SQLite
 RETRY_BASE_DELAY_S = 0.01  # first back-off after a transient error; doubles up to the cap
 RETRY_MAX_DELAY_S = 1.0
+# Group commit on the SQLite writer thread (BENCHMARKS "Levers"): the units already waiting when the
+# thread takes one run together in one transaction, each in its own savepoint, up to this many per
+# group; 0 or 1 turns it off (one transaction per unit).  Tests monkeypatch it; the environment
+# variable is for measurements.
+SQLITE_GROUP_COMMIT_MAX = int(os.environ.get("LIGHTNING_SQL_SQLITE_GROUP_COMMIT", "") or 64)
 NOTIFY_CHANNEL = "lightning_sql_v1"
 
 # PostgreSQL SQLSTATEs that a replay of the whole unit can cure.
@@ -183,6 +189,10 @@ class UnitContext:
         """Record a ``finished``/``queued`` event, delivered once per kind and run after commit."""
         self.events.add((run_id, kind))
 
+    def execute(self, stmt: Any, params: Any = None) -> Any:
+        """``conn.execute(stmt, params)``; prebuilt statements go straight to the driver (fastexec)."""
+        return fastexec.execute(self.conn, stmt, params)
+
 
 Unit = Callable[[UnitContext], T]
 
@@ -248,6 +258,43 @@ def classify_error(exc: BaseException) -> str:
 def _backoff(attempt: int) -> float:
     delay = min(RETRY_MAX_DELAY_S, RETRY_BASE_DELAY_S * (2**attempt))
     return delay * (0.5 + random.random())
+
+
+# --- waking callers' event loops ------------------------------------------------------------
+
+_deferred = threading.local()
+
+
+@contextlib.contextmanager
+def deferred_wakeups() -> Iterator[None]:
+    """Within this block, ``wake_loop`` calls of this thread are collected and made once per
+    (loop, callback) at its end.  An I/O thread settling a group of units wakes each caller's loop
+    once: every ``call_soon_threadsafe`` writes to the loop's self-pipe, and that syscall hands the
+    GIL to the woken thread, so one wake-up per unit would also cost a GIL round trip per unit."""
+    pending: dict[tuple[int, Any], tuple[asyncio.AbstractEventLoop, Callable[[], None]]] = {}
+    _deferred.pending = pending
+    try:
+        yield
+    finally:
+        _deferred.pending = None
+        for loop, callback in pending.values():
+            _call_soon_threadsafe(loop, callback)
+
+
+def wake_loop(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None:
+    """``loop.call_soon_threadsafe(callback)``, or later inside ``deferred_wakeups()``."""
+    pending = getattr(_deferred, "pending", None)
+    if pending is not None:
+        pending.setdefault((id(loop), callback), (loop, callback))
+    else:
+        _call_soon_threadsafe(loop, callback)
+
+
+def _call_soon_threadsafe(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None:
+    try:
+        loop.call_soon_threadsafe(callback)
+    except RuntimeError:  # the loop is closed: nobody waits there any more
+        pass
 
 
 # --- the wait hub: in-process wake-ups --------------------------------------------------------
@@ -358,7 +405,14 @@ class IoWorker:
 
 
 class SqliteThreadWorker(IoWorker):
-    """One thread owning one stdlib sqlite3 connection; every unit is one transaction on it."""
+    """One thread owning one stdlib sqlite3 connection; every unit is one transaction on it, or one
+    savepoint of a group commit when several units wait (``SQLITE_GROUP_COMMIT_MAX``)."""
+
+    # Group commit counters (tests and measurements): groups committed, units they carried, and
+    # groups rolled back and replayed one unit at a time.
+    group_commits = 0
+    grouped_units = 0
+    group_replays = 0
 
     def __init__(self, target: DatabaseTarget, *, schema: str | None, options: dict[str, Any]) -> None:
         super().__init__(target, schema=schema, options=options)
@@ -443,24 +497,37 @@ class SqliteThreadWorker(IoWorker):
                 lock_file.close()
 
     def _main(self) -> None:
+        carried: list[Any] = []  # an item taken while gathering a group that may not join it
         while True:
-            try:
-                timeout = SQLITE_DATA_VERSION_POLL_S if self.hub.has_waiters else None
-                item = self._queue.get(timeout=timeout)
-            except queue.Empty:
-                self._poll_data_version()
-                continue
+            if carried:
+                item = carried.pop()
+            else:
+                try:
+                    timeout = SQLITE_DATA_VERSION_POLL_S if self.hub.has_waiters else None
+                    item = self._queue.get(timeout=timeout)
+                except queue.Empty:
+                    self._poll_data_version()
+                    continue
             if item is None:
                 break
-            unit, write, deadline_s, fut = item
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                result = self._run_unit(unit, write, deadline_s)
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                fut.set_exception(exc)
-            else:
-                fut.set_result(result)
+            group = [item]
+            limit = SQLITE_GROUP_COMMIT_MAX
+            if limit > 1 and not isinstance(item[0], SchemaUnit):
+                # Only what is already waiting: a group never waits for more work.
+                while len(group) < limit:
+                    try:
+                        more = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if more is None or isinstance(more[0], SchemaUnit):
+                        carried.append(more)  # the sentinel and schema units run after the group
+                        break
+                    group.append(more)
+            live = [it for it in group if it[3].set_running_or_notify_cancel()]
+            if len(live) == 1:
+                self._finish(live[0])
+            elif live:
+                self._run_group(live)
             if self.hub.has_waiters:
                 self._poll_data_version()
         with self.busy:
@@ -502,9 +569,120 @@ class SqliteThreadWorker(IoWorker):
             self.hub.wake(None)
         self._data_version = version
 
-    def _run_unit(self, unit: Unit[T], write: bool, deadline_s: float) -> T:
+    def _finish(self, item: Any, *, started: float | None = None, attempt: int = 0) -> None:
+        """Run one queued unit as its own transaction(s) and settle its (running) future."""
+        unit, write, deadline_s, fut = item
+        try:
+            result = self._run_unit(unit, write, deadline_s, started=started, attempt=attempt)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+
+    def _run_group(self, items: list[Any]) -> None:
+        """Group commit: run ``items`` (two or more, none a SchemaUnit) in one transaction.
+
+        Each unit runs in its own savepoint, so a unit that raises is rolled back alone and gets its
+        exception while the others commit.  When the group as a whole cannot go on (a transient or
+        non-fatal error in a unit, a failed SAVEPOINT/RELEASE/ROLLBACK TO, BEGIN or COMMIT) nothing
+        of it is committed: every unit is replayed one by one through ``_run_unit``, which retries,
+        converts errors and gives up at the deadline exactly as for a unit that came alone.
+        """
         started = time.monotonic()
-        attempt = 0
+        with self.busy:  # inside SQLite: a fork() waits
+            outcomes, replay_attempt = self._try_group(items)
+        if outcomes is None:
+            self.group_replays += 1
+            for item in items:
+                self._finish(item, started=started, attempt=replay_attempt)
+            return
+        self.group_commits += 1
+        self.grouped_units += len(items)
+        with deferred_wakeups():  # one wake-up per caller loop for the whole group
+            for item, (ctx, result, exc) in zip(items, outcomes, strict=True):
+                fut = item[3]
+                if exc is None:
+                    self._after_commit(ctx)
+                    fut.set_result(result)
+                else:
+                    fut.set_exception(exc)
+
+    def _try_group(
+        self, items: list[Any]
+    ) -> tuple[list[tuple[UnitContext, Any, BaseException | None]] | None, int]:
+        """One try of a group.  Returns each unit's ``(ctx, result, exception)`` once the shared
+        COMMIT succeeded, else ``(None, attempt)`` after rolling everything back: the replay starts
+        at that ``ctx.attempt``."""
+        conn: Connection | None = None
+        try:
+            conn = self._connection()
+            conn.exec_driver_sql("BEGIN IMMEDIATE" if any(it[1] for it in items) else "BEGIN")
+            # Savepoints straight on the sqlite3 connection (~4 µs, against ~30 µs through
+            # SQLAlchemy, which does not track them either way).
+            raw = conn.connection.dbapi_connection
+            assert raw is not None
+        except BaseException:  # noqa: BLE001 - the replay reports it
+            self._abandon(conn)
+            return None, 0
+        outcomes: list[tuple[UnitContext, Any, BaseException | None]] = []
+        for item in items:
+            unit = item[0]
+            ctx = UnitContext(conn, "sqlite", attempt=0)
+            try:
+                raw.execute("SAVEPOINT lightning_sql_unit")
+                try:
+                    result = unit(ctx)
+                except BaseException as exc:  # noqa: BLE001 - kept for this unit only
+                    # Only an error that a replay could not change stays with its unit; transient,
+                    # unavailable and denied errors go through _run_unit (retries, conversions).
+                    if classify_error(exc) != "fatal" or isinstance(exc, StoreUnavailableError):
+                        self._abandon(conn)
+                        return None, 0
+                    raw.execute("ROLLBACK TO lightning_sql_unit")
+                    raw.execute("RELEASE lightning_sql_unit")
+                    outcomes.append((ctx, None, exc))
+                    continue
+                raw.execute("RELEASE lightning_sql_unit")
+            except BaseException:  # noqa: BLE001 - a savepoint statement failed: the replay decides
+                self._abandon(conn)
+                return None, 0
+            outcomes.append((ctx, result, None))
+        try:
+            conn.commit()
+        except BaseException:  # noqa: BLE001 - the replay reports it
+            self._abandon(conn)
+            # A failed SQLite COMMIT that we rolled back committed nothing, so attempt 0 would do;
+            # the replay still starts at 1, as a unit alone retries after a failed commit: its
+            # look-ups for its own fresh ids only cost a query and cover an ambiguous I/O error.
+            return None, 1
+        return outcomes, 0
+
+    def _abandon(self, conn: Connection | None) -> None:
+        """Roll the connection's transaction back; a connection that cannot is replaced.
+
+        After a failed ``conn.commit()`` SQLAlchemy considers the transaction over and its
+        ``rollback()`` does nothing, yet SQLite may keep the transaction open (a COMMIT that got
+        SQLITE_BUSY or hit a deferred constraint): the driver connection is rolled back directly then,
+        or the next BEGIN would fail with "cannot start a transaction within a transaction".
+        """
+        if conn is None:
+            return
+        try:
+            conn.rollback()
+            raw = conn.connection.dbapi_connection
+            if raw is not None and getattr(raw, "in_transaction", False):
+                raw.rollback()
+        except BaseException:  # noqa: BLE001 - a broken connection is replaced
+            self._drop_connection()
+
+    def _run_unit(
+        self, unit: Unit[T], write: bool, deadline_s: float, *, started: float | None = None, attempt: int = 0
+    ) -> T:
+        """Run a unit as its own transaction, replaying it after transient errors until
+        ``deadline_s`` past ``started`` (now by default); the first try sees ``ctx.attempt ==
+        attempt``."""
+        if started is None:
+            started = time.monotonic()
         while True:
             try:
                 with self.busy:  # inside SQLite: a fork() waits (released during back-off sleeps)
@@ -536,10 +714,7 @@ class SqliteThreadWorker(IoWorker):
             result = unit(ctx)
             conn.commit()
         except BaseException:
-            try:
-                conn.rollback()
-            except BaseException:  # noqa: BLE001 - a broken connection is replaced
-                self._drop_connection()
+            self._abandon(conn)
             raise
         self._after_commit(ctx)
         return result
@@ -557,7 +732,32 @@ class SchemaUnit:
 
 
 class AsyncLoopWorker(IoWorker):
-    """A thread running its own event loop that owns an async engine (asyncpg or aiosqlite)."""
+    """A thread running its own event loop that owns an async engine (asyncpg or aiosqlite).
+
+    On PostgreSQL the pool's connections rest in autocommit mode, which makes the checkout's
+    pre-ping one round trip (asyncpg wraps it in BEGIN/ROLLBACK otherwise), and a unit asks for what
+    it needs when it starts (a per-connection setting: no statement is sent for it):
+
+    * ``write=True``: one transaction at the server's default isolation (READ COMMITTED);
+    * ``write=False, autocommit=True``: no transaction at all, i.e. no BEGIN/COMMIT round trips.
+      Under READ COMMITTED every statement takes its own snapshot anyway, so such a unit sees what
+      it would have seen in a transaction; it must not rely on row locks, ``SET LOCAL``/
+      ``set_config(..., true)`` or on writing atomically (the store's read units do none of these);
+    * ``write=False, snapshot=True``: one REPEATABLE READ READ ONLY transaction (the checker);
+    * ``write=False`` alone: one transaction, as for writes (callers that submit their own units).
+
+    On aiosqlite every unit is one transaction (``BEGIN IMMEDIATE`` for writes) whatever the flags.
+    """
+
+    # How a PostgreSQL unit runs (see above).
+    _PG_TRANSACTION = "transaction"
+    _PG_AUTOCOMMIT = "autocommit"
+    _PG_SNAPSHOT = "snapshot"
+    # Every event of a unit in one statement (one round trip), delivered by the COMMIT in this order.
+    _PG_NOTIFY = text(
+        "SELECT pg_notify(:channel, e.payload) FROM unnest(CAST(:payloads AS TEXT[])) WITH ORDINALITY AS e(payload, n) "
+        "ORDER BY e.n"
+    )
 
     def __init__(self, target: DatabaseTarget, *, schema: str | None, options: dict[str, Any]) -> None:
         super().__init__(target, schema=schema, options=options)
@@ -608,8 +808,9 @@ class AsyncLoopWorker(IoWorker):
             for key in ("pool_timeout", "pool_recycle", "connect_args"):
                 if key in opts:
                     kwargs[key] = opts.pop(key)
+            # Connections rest in autocommit: a unit that wants a transaction says so (_once).
             engine = create_async_engine(
-                self.target.url, json_serializer=_json_serializer, echo=echo, **kwargs
+                self.target.url, json_serializer=_json_serializer, echo=echo, isolation_level="AUTOCOMMIT", **kwargs
             )
             if self.schema is not None:
                 engine = engine.execution_options(schema_translate_map={None: self.schema})
@@ -634,12 +835,28 @@ class AsyncLoopWorker(IoWorker):
 
         return engine
 
-    def submit(self, unit: Unit[T], *, write: bool, deadline_s: float) -> concurrent.futures.Future[T]:
+    def submit(
+        self,
+        unit: Unit[T],
+        *,
+        write: bool,
+        deadline_s: float,
+        autocommit: bool = False,
+        snapshot: bool = False,
+    ) -> concurrent.futures.Future[T]:
+        """Run ``unit`` on the loop; ``autocommit``/``snapshot`` only for reads (see the class doc)."""
+        if write and (autocommit or snapshot):
+            raise ValueError("autocommit and snapshot are for read units (write=False)")
+        if autocommit and snapshot:
+            raise ValueError("a snapshot is a transaction: autocommit and snapshot exclude each other")
         if self.closed:
             fut: concurrent.futures.Future[T] = concurrent.futures.Future()
             fut.set_exception(RuntimeError("The store's I/O thread is closed"))
             return fut
-        return asyncio.run_coroutine_threadsafe(self._run_unit(unit, write, deadline_s), self._loop)
+        isolation = None
+        if self.target.kind == "postgresql":
+            isolation = self._PG_AUTOCOMMIT if autocommit else self._PG_SNAPSHOT if snapshot else self._PG_TRANSACTION
+        return asyncio.run_coroutine_threadsafe(self._run_unit(unit, write, deadline_s, isolation), self._loop)
 
     def close(self) -> None:
         if self.closed:
@@ -678,6 +895,10 @@ class AsyncLoopWorker(IoWorker):
                 lock_file = None
             try:
                 async with self._engine.connect() as aconn:
+                    if self.target.kind == "postgresql":
+                        # One transaction (the pool's connections rest in autocommit): the migration
+                        # lock is transaction-scoped and the DDL commits as a whole.
+                        await aconn.execution_options(isolation_level=self._pg_default_isolation())
                     if self.target.kind == "aiosqlite":
                         await aconn.exec_driver_sql("PRAGMA foreign_keys=OFF")
                         await aconn.exec_driver_sql("BEGIN" if unit.read_only else "BEGIN IMMEDIATE")
@@ -707,7 +928,7 @@ class AsyncLoopWorker(IoWorker):
             if self.target.kind == "postgresql":
                 self._listener_task = asyncio.get_running_loop().create_task(self._listen_forever())
 
-    async def _run_unit(self, unit: Unit[T], write: bool, deadline_s: float) -> T:
+    async def _run_unit(self, unit: Unit[T], write: bool, deadline_s: float, isolation: str | None = None) -> T:
         if self._engine is None:
             self._engine = self._make_engine()
             if self.target.kind == "aiosqlite":
@@ -722,8 +943,8 @@ class AsyncLoopWorker(IoWorker):
                     return None  # type: ignore[return-value]
                 if self._serial is not None:
                     async with self._serial:
-                        return await self._once(unit, write, attempt)
-                return await self._once(unit, write, attempt)
+                        return await self._once(unit, write, attempt, isolation)
+                return await self._once(unit, write, attempt, isolation)
             except asyncio.CancelledError:
                 raise
             except StoreUnavailableError:
@@ -741,7 +962,12 @@ class AsyncLoopWorker(IoWorker):
                 await asyncio.sleep(_backoff(attempt))
                 attempt += 1
 
-    async def _once(self, unit: Unit[T], write: bool, attempt: int = 0) -> T:
+    def _pg_default_isolation(self) -> str:
+        """The server's default isolation level (read by the engine at its first connection)."""
+        assert self._engine is not None
+        return self._engine.dialect.default_isolation_level or "READ COMMITTED"
+
+    async def _once(self, unit: Unit[T], write: bool, attempt: int = 0, isolation: str | None = None) -> T:
         assert self._engine is not None
         dialect = self.dialect
         async with self._engine.connect() as aconn:
@@ -750,15 +976,21 @@ class AsyncLoopWorker(IoWorker):
             holder: dict[str, UnitContext] = {}
 
             def run(conn: Connection) -> T:
+                # PostgreSQL: per-connection settings that asyncpg applies at its BEGIN (no round
+                # trip of their own; the pool puts the connection back in autocommit on return).
+                if isolation == self._PG_TRANSACTION:
+                    conn.execution_options(isolation_level=self._pg_default_isolation())
+                elif isolation == self._PG_SNAPSHOT:
+                    conn.execution_options(isolation_level="REPEATABLE READ", postgresql_readonly=True)
                 ctx = UnitContext(conn, dialect, attempt=attempt)
                 holder["ctx"] = ctx
                 result = unit(ctx)
                 if dialect == "postgresql" and ctx.events:
-                    for run_id, kind in sorted(ctx.events):
-                        conn.execute(
-                            text("SELECT pg_notify(:channel, :payload)"),
-                            {"channel": NOTIFY_CHANNEL, "payload": f"{run_id}:{kind}"},
-                        )
+                    # One statement for all of the unit's events, delivered by the COMMIT.
+                    conn.execute(
+                        self._PG_NOTIFY,
+                        {"channel": NOTIFY_CHANNEL, "payloads": [f"{r}:{k}" for r, k in sorted(ctx.events)]},
+                    )
                 return result
 
             try:

@@ -9,6 +9,7 @@ handling.  Durable state lives in the database; this is the little that lives in
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import threading
@@ -25,6 +26,7 @@ from lightning_sql.store.sql import runs as run_units
 from lightning_sql.store.sql import schema as s
 from lightning_sql.store.sql import sweeper
 from lightning_sql.store.sql.engine import (
+    AsyncLoopWorker,
     DatabaseTarget,
     IoWorker,
     SchemaUnit,
@@ -32,6 +34,7 @@ from lightning_sql.store.sql.engine import (
     acquire_worker,
     normalise_url,
     release_worker,
+    wake_loop,
 )
 from lightning_sql.store.sql.rows import encoded
 from lightning_sql.types import LightningStoreCapabilities, RolloutConfig, check_text, generate_id
@@ -53,6 +56,9 @@ _INSTANCES: weakref.WeakSet[StoreInstance] = weakref.WeakSet()
 def _reset_instances_after_fork() -> None:
     # Runs in the child right after fork(), single-threaded: locks held by the parent's other threads
     # and flags of the parent's in-flight calls (a lazy sweep, waits) do not belong to the child.
+    global _relays_lock
+    _relays_lock = threading.Lock()
+    _relays.clear()
     for instance in list(_INSTANCES):
         instance._sweep_lock = threading.Lock()
         instance._attach_lock = threading.Lock()
@@ -61,6 +67,57 @@ def _reset_instances_after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_reset_instances_after_fork)
+
+
+class _Relay:
+    """Hands finished units from I/O threads to one event loop, one wake-up per burst.
+
+    ``asyncio.wrap_future`` costs a ``call_soon_threadsafe`` (a self-pipe write and an epoll wake-up)
+    per finished unit; when the I/O thread finishes a group of units, one wake-up delivers them all.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.lock = threading.Lock()
+        self.pending: list[tuple[concurrent.futures.Future[Any], asyncio.Future[Any]]] = []
+
+    def push(self, cfut: concurrent.futures.Future[Any], afut: asyncio.Future[Any]) -> None:
+        with self.lock:
+            self.pending.append((cfut, afut))
+            first = len(self.pending) == 1
+        if first:
+            wake_loop(self.loop, self.flush)
+
+    def flush(self) -> None:
+        with self.lock:
+            items, self.pending = self.pending, []
+        for cfut, afut in items:
+            if afut.done():
+                continue
+            if cfut.cancelled():
+                afut.cancel()
+                continue
+            exc = cfut.exception()
+            if exc is not None:
+                afut.set_exception(exc)
+            else:
+                afut.set_result(cfut.result())
+
+
+_relays: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Relay] = weakref.WeakKeyDictionary()
+_relays_lock = threading.Lock()
+
+
+def _relay(cfut: concurrent.futures.Future[T]) -> asyncio.Future[T]:
+    """An asyncio future of the running loop that completes with ``cfut`` (see ``_Relay``)."""
+    loop = asyncio.get_running_loop()
+    relay = _relays.get(loop)
+    if relay is None:
+        with _relays_lock:
+            relay = _relays.setdefault(loop, _Relay(loop))
+    afut: asyncio.Future[T] = loop.create_future()
+    cfut.add_done_callback(lambda done: relay.push(done, afut))
+    return afut
 
 
 def _generated_run_name() -> str:
@@ -234,7 +291,7 @@ class StoreInstance:
 
         def read_server(ctx: UnitContext) -> float:
             holder["sent"] = self._local_now()
-            value = float(ctx.conn.execute(d.server_epoch(ctx)).scalar_one())
+            value = float(ctx.execute(d.server_epoch(ctx)).scalar_one())
             holder["received"] = self._local_now()
             return value
 
@@ -264,9 +321,23 @@ class StoreInstance:
                 )
             return self._worker
 
-    async def _submit(self, worker: IoWorker, unit: Callable[[UnitContext], T], *, write: bool) -> T:
-        fut = worker.submit(unit, write=write, deadline_s=self.connect_deadline_seconds)
-        afut = asyncio.wrap_future(fut)
+    async def _submit(
+        self, worker: IoWorker, unit: Callable[[UnitContext], T], *, write: bool, snapshot: bool = False
+    ) -> T:
+        """Run ``unit`` on the worker.  A read unit of the store runs without a transaction on
+        PostgreSQL (``autocommit``: none relies on locks or ``SET LOCAL``) unless it asks for a
+        ``snapshot`` (one REPEATABLE READ READ ONLY transaction); SQLite reads in one transaction."""
+        if isinstance(worker, AsyncLoopWorker) and not write:
+            fut = worker.submit(
+                unit,
+                write=False,
+                deadline_s=self.connect_deadline_seconds,
+                autocommit=not snapshot,
+                snapshot=snapshot,
+            )
+        else:
+            fut = worker.submit(unit, write=write, deadline_s=self.connect_deadline_seconds)
+        afut = _relay(fut)
         try:
             return await asyncio.shield(afut)
         except asyncio.CancelledError:

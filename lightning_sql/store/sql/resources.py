@@ -17,7 +17,7 @@ RV = s.resource_versions
 
 
 def _record_history(ctx: UnitContext, run_id: int, now: float, resources_id: str, version: int, payload: Any) -> None:
-    ctx.conn.execute(
+    ctx.execute(
         d.insert(ctx, RV)
         .values(run_id=run_id, resources_id=resources_id, version=version, resources=payload, time=now)
         .on_conflict_do_nothing()
@@ -25,11 +25,11 @@ def _record_history(ctx: UnitContext, run_id: int, now: float, resources_id: str
 
 
 def add_resources(ctx: UnitContext, run_id: int, now: float, resources_id: str, payload: EncodedJson) -> ResourcesUpdate:
-    existing = ctx.conn.execute(select(RS).where(RS.c.run_id == run_id, RS.c.resources_id == resources_id)).first()
+    existing = ctx.execute(select(RS).where(RS.c.run_id == run_id, RS.c.resources_id == resources_id)).first()
     if existing is not None:  # replay after a lost commit
         return resources_from_row(existing)
     (pos,) = d.allocate_positions(ctx, run_id, 1)
-    row = ctx.conn.execute(
+    row = ctx.execute(
         RS.insert()
         .values(
             run_id=run_id,
@@ -71,18 +71,18 @@ def update_resources(
             "touch_seq": stmt.excluded.touch_seq,
         },
     ).returning(*RS.c)
-    row = ctx.conn.execute(stmt).one()
+    row = ctx.execute(stmt).one()
     _record_history(ctx, run_id, now, resources_id, row.version, payload)
     return resources_from_row(row)
 
 
 def get_resources(ctx: UnitContext, run_id: int, resources_id: str, version: int | None) -> ResourcesUpdate | None:
-    row = ctx.conn.execute(_BY_ID, {"r_run_id": run_id, "r_resources_id": resources_id}).first()
+    row = ctx.execute(_BY_ID, {"r_run_id": run_id, "r_resources_id": resources_id}).first()
     if row is None:
         return None
     if version is None:
         return resources_from_row(row)
-    hist = ctx.conn.execute(
+    hist = ctx.execute(
         _VERSION, {"r_run_id": run_id, "r_resources_id": resources_id, "r_version": version}
     ).first()
     if hist is None:
@@ -99,7 +99,7 @@ def get_resources(ctx: UnitContext, run_id: int, resources_id: str, version: int
 
 
 def get_latest(ctx: UnitContext, run_id: int) -> ResourcesUpdate | None:
-    row = ctx.conn.execute(_LATEST, {"r_run_id": run_id}).first()
+    row = ctx.execute(_LATEST, {"r_run_id": run_id}).first()
     return resources_from_row(row) if row is not None else None
 
 

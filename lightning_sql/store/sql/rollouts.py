@@ -22,7 +22,7 @@ from lightning_sql.store.sql.rows import (
     attempted,
     rollout_from_row,
 )
-from lightning_sql.store.sql.statements import cached
+from lightning_sql.store.sql.statements import cached, prebuilt
 from lightning_sql.store.sql.workers import mark_idle_on_empty_queue, sync_worker
 from lightning_sql.types import (
     FINISHED_STATUSES,
@@ -85,7 +85,7 @@ _RESOURCE_VERSIONS = select(s.resources.c.resources_id, s.resources.c.version).w
 
 
 def latest_resources(ctx: UnitContext, run_id: int) -> tuple[str | None, int | None]:
-    row = ctx.conn.execute(_LATEST_RESOURCES, {"r_run_id": run_id}).first()
+    row = ctx.execute(_LATEST_RESOURCES, {"r_run_id": run_id}).first()
     return (row[0], row[1]) if row is not None else (None, None)
 
 
@@ -94,9 +94,9 @@ def resource_versions(ctx: UnitContext, run_id: int, ids: set[str]) -> dict[str,
         return {}
     if len(ids) == 1:
         (rid,) = ids
-        rows = ctx.conn.execute(_RESOURCE_VERSION, {"r_run_id": run_id, "r_resources_id": rid}).all()
+        rows = ctx.execute(_RESOURCE_VERSION, {"r_run_id": run_id, "r_resources_id": rid}).all()
     else:
-        rows = ctx.conn.execute(_RESOURCE_VERSIONS, {"r_run_id": run_id, "r_resources_ids": sorted(ids)}).all()
+        rows = ctx.execute(_RESOURCE_VERSIONS, {"r_run_id": run_id, "r_resources_ids": sorted(ids)}).all()
     return {r[0]: r[1] for r in rows}
 
 
@@ -116,7 +116,7 @@ def _resolve_resources(ctx: UnitContext, run_id: int, items: Sequence[NewRollout
 
 
 def _fetch_rollouts(ctx: UnitContext, run_id: int, where: Any) -> list[Any]:
-    return list(ctx.conn.execute(select(*ROLLOUT_COLUMNS).where(R.c.run_id == run_id, where)).all())
+    return list(ctx.execute(select(*ROLLOUT_COLUMNS).where(R.c.run_id == run_id, where)).all())
 
 
 _ROLLOUTS_BY_ID = select(*ROLLOUT_COLUMNS).where(
@@ -128,7 +128,7 @@ _ROLLOUTS_BY_KEY = select(*ROLLOUT_COLUMNS).where(
 
 
 def _rollouts_by_key(ctx: UnitContext, run_id: int, keys: Sequence[str]) -> list[Any]:
-    return list(ctx.conn.execute(_ROLLOUTS_BY_KEY, {"r_run_id": run_id, "r_keys": list(keys)}).all())
+    return list(ctx.execute(_ROLLOUTS_BY_KEY, {"r_run_id": run_id, "r_keys": list(keys)}).all())
 
 
 def enqueue(ctx: UnitContext, run_id: int, now: float, items: Sequence[NewRollout]) -> list[Rollout]:
@@ -144,7 +144,7 @@ def enqueue(ctx: UnitContext, run_id: int, now: float, items: Sequence[NewRollou
     # call, so only a replay can find them: skip the look-up on the first try).
     mine: dict[str, Rollout] = {}
     if ctx.attempt > 0:
-        found = ctx.conn.execute(_ROLLOUTS_BY_ID, {"r_run_id": run_id, "r_ids": [i.rollout_id for i in items]})
+        found = ctx.execute(_ROLLOUTS_BY_ID, {"r_run_id": run_id, "r_ids": [i.rollout_id for i in items]})
         mine = {r.rollout_id: r for r in map(rollout_from_row, found)}
 
     fresh: list[NewRollout] = []
@@ -187,7 +187,7 @@ def enqueue(ctx: UnitContext, run_id: int, now: float, items: Sequence[NewRollou
             ("enqueue_insert", ctx.dialect),
             lambda: d.insert(ctx, R).on_conflict_do_nothing().returning(R.c.rollout_id, sort_by_parameter_order=True),
         )
-        inserted = {row[0] for row in ctx.conn.execute(insert_rollouts, params)}
+        inserted = {row[0] for row in ctx.execute(insert_rollouts, params)}
         for item, p in zip(fresh, params, strict=True):
             if item.rollout_id in inserted:
                 created[item.rollout_id] = Rollout.model_construct(
@@ -241,7 +241,7 @@ def start_rollout(
         return result
     (rid, version), = _resolve_resources(ctx, run_id, [item])
     (pos,) = d.allocate_positions(ctx, run_id, 1)
-    ctx.conn.execute(
+    ctx.execute(
         R.insert().values(
             run_id=run_id,
             rollout_id=item.rollout_id,
@@ -259,7 +259,7 @@ def start_rollout(
             attempt_count=1,
         )
     )
-    ctx.conn.execute(
+    ctx.execute(
         A.insert().values(
             run_id=run_id,
             rollout_id=item.rollout_id,
@@ -300,7 +300,7 @@ def start_rollout(
 
 
 def _attempt(ctx: UnitContext, run_id: int, rollout_id: str, attempt_id: str) -> Attempt | None:
-    row = ctx.conn.execute(
+    row = ctx.execute(
         _ATTEMPT_BY_ID, {"r_run_id": run_id, "r_rollout_id": rollout_id, "r_attempt_id": attempt_id}
     ).first()
     return attempt_from_row(row) if row is not None else None
@@ -327,7 +327,7 @@ def claim(
 
 
 def _replayed_claim(ctx: UnitContext, run_id: int, attempt_ids: Sequence[str]) -> list[AttemptedRollout]:
-    rows = ctx.conn.execute(
+    rows = ctx.execute(
         select(A).where(A.c.run_id == run_id, A.c.attempt_id.in_(list(attempt_ids)))
     ).all()
     if not rows:
@@ -360,7 +360,7 @@ def _claim_fresh(
             skip_locked=True,
         ),
     )
-    ids = [row[0] for row in ctx.conn.execute(picked, {"c_run_id": run_id, "c_limit": len(attempt_ids)})]
+    ids = [row[0] for row in ctx.execute(picked, {"c_run_id": run_id, "c_limit": len(attempt_ids)})]
     if not ids:
         return []
     # One claimed row (the common case) compares with = : an expanding IN is compiled again per call.
@@ -380,7 +380,7 @@ def _claim_fresh(
         params["c_id"] = ids[0]
     else:
         params["c_ids"] = ids
-    rows = ctx.conn.execute(mark, params).all()
+    rows = ctx.execute(mark, params).all()
     by_id = {row.rollout_id: row for row in rows}
     attempt_rows = []
     result: list[AttemptedRollout] = []
@@ -398,7 +398,7 @@ def _claim_fresh(
             }
         )
         result.append(_attempted_claim(row, aid, now, worker_id))
-    ctx.conn.execute(cached("attempt_insert", A.insert), attempt_rows)
+    ctx.execute(cached("attempt_insert", A.insert), attempt_rows)
     return result
 
 
@@ -426,7 +426,7 @@ def lock_rollout(ctx: UnitContext, run_id: int, rollout_id: str, *, lock: bool =
         ("rollout_row", ctx.dialect, lock),
         lambda: (d.for_update(ctx, _ROLLOUT_ROW) if lock else _ROLLOUT_ROW),
     )
-    return ctx.conn.execute(stmt, {"r_run_id": run_id, "r_rollout_id": rollout_id}).first()
+    return ctx.execute(stmt, {"r_run_id": run_id, "r_rollout_id": rollout_id}).first()
 
 
 _ROLLOUT_ROW = select(*ROLLOUT_COLUMNS, R.c.attempt_count, R.c.queue_seq).where(
@@ -457,7 +457,7 @@ def _update_row(ctx: UnitContext, table: Any, keys: dict[str, Any], values: dict
     """Write ``values`` into the row named by ``keys`` through a prebuilt statement."""
     key_names, cols = tuple(keys), tuple(values)
     stmt = cached(("update_row", table.name, key_names, cols), lambda: _update_where(table, key_names, cols))
-    ctx.conn.execute(stmt, {**{f"u_{k}": v for k, v in keys.items()}, **{f"u_{c}": v for c, v in values.items()}})
+    ctx.execute(stmt, {**{f"u_{k}": v for k, v in keys.items()}, **{f"u_{c}": v for c, v in values.items()}})
 
 
 def start_attempt(
@@ -469,12 +469,12 @@ def start_attempt(
     existing = _attempt(ctx, run_id, rollout_id, attempt_id)
     if existing is None:
         seq = row.attempt_count + 1
-        ctx.conn.execute(
+        ctx.execute(
             update(R)
             .where(R.c.run_id == run_id, R.c.rollout_id == rollout_id)
             .values(status="preparing", queue_seq=None, attempt_count=seq)
         )
-        ctx.conn.execute(
+        ctx.execute(
             A.insert().values(
                 run_id=run_id,
                 rollout_id=rollout_id,
@@ -535,7 +535,7 @@ def update_rollout(
             ctx.announce(run_id, "finished")
         values.update(enter_or_leave_queue(ctx, run_id, row.status, new_status, row.queue_seq))
     if values:
-        ctx.conn.execute(update(R).where(R.c.run_id == run_id, R.c.rollout_id == rollout_id).values(**values))
+        ctx.execute(update(R).where(R.c.run_id == run_id, R.c.rollout_id == rollout_id).values(**values))
     new_row = _fetch_rollouts(ctx, run_id, R.c.rollout_id == rollout_id)[0]
     return rollout_from_row(new_row)
 
@@ -559,7 +559,7 @@ def resolve_attempt(ctx: UnitContext, run_id: int, rollout_id: str, attempt_id: 
         params["r_sequence_id"] = row.attempt_count
     else:
         params["r_attempt_id"] = attempt_id
-    attempt_row = ctx.conn.execute(stmt, params).first()
+    attempt_row = ctx.execute(stmt, params).first()
     if attempt_row is None:
         if attempt_id == "latest":
             raise ValueError(f"No attempts found for rollout {rollout_id}")
@@ -630,14 +630,14 @@ def latest_attempts(ctx: UnitContext, run_id: int, rows: Sequence[Any]) -> dict[
     out: dict[str, Attempt] = {}
     if len(pairs) == 1:
         ((rid, seq),) = pairs
-        arow = ctx.conn.execute(_ATTEMPT_BY_SEQ, {"r_run_id": run_id, "r_rollout_id": rid, "r_sequence_id": seq}).first()
+        arow = ctx.execute(_ATTEMPT_BY_SEQ, {"r_run_id": run_id, "r_rollout_id": rid, "r_sequence_id": seq}).first()
         if arow is not None:
             out[arow.rollout_id] = attempt_from_row(arow)
         return out
     # Chunked so a page of thousands of rollouts stays within driver parameter limits.
     for start in range(0, len(pairs), 500):
         chunk = pairs[start : start + 500]
-        result = ctx.conn.execute(_LATEST_ATTEMPTS, {"r_run_id": run_id, "r_pairs": chunk})
+        result = ctx.execute(_LATEST_ATTEMPTS, {"r_run_id": run_id, "r_pairs": chunk})
         for arow in result:
             out[arow.rollout_id] = attempt_from_row(arow)
     return out
@@ -655,7 +655,7 @@ def with_latest_attempts(ctx: UnitContext, run_id: int, rows: Sequence[Any]) -> 
 
 
 def get_rollout(ctx: UnitContext, run_id: int, rollout_id: str) -> Rollout | AttemptedRollout | None:
-    rows = ctx.conn.execute(_ROLLOUT_WITH_COUNT, {"r_run_id": run_id, "r_rollout_id": rollout_id}).all()
+    rows = ctx.execute(_ROLLOUT_WITH_COUNT, {"r_run_id": run_id, "r_rollout_id": rollout_id}).all()
     if not rows:
         return None
     return with_latest_attempts(ctx, run_id, rows)[0]
@@ -667,14 +667,14 @@ _ROLLOUT_WITH_COUNT = select(*ROLLOUT_COLUMNS, R.c.attempt_count).where(
 
 
 def rollout_exists(ctx: UnitContext, run_id: int, rollout_id: str) -> bool:
-    row = ctx.conn.execute(
+    row = ctx.execute(
         select(R.c.rollout_id).where(R.c.run_id == run_id, R.c.rollout_id == rollout_id)
     ).first()
     return row is not None
 
 
 def get_latest_attempt(ctx: UnitContext, run_id: int, rollout_id: str) -> Attempt | None:
-    row = ctx.conn.execute(
+    row = ctx.execute(
         select(A)
         .where(A.c.run_id == run_id, A.c.rollout_id == rollout_id)
         .order_by(A.c.sequence_id.desc())
@@ -688,7 +688,7 @@ def finished_rollouts(
 ) -> tuple[list[Rollout], int, int]:
     """(finished rollouts in request order, one per requested id as upstream returns them; number of
     distinct ids that exist; number of distinct ids finished)."""
-    rows = ctx.conn.execute(
+    rows = ctx.execute(
         select(*ROLLOUT_COLUMNS).where(R.c.run_id == run_id, R.c.rollout_id.in_(sorted(set(rollout_ids))))
     ).all()
     finished = {row.rollout_id: rollout_from_row(row) for row in rows if row.status in FINISHED_STATUSES}
@@ -697,15 +697,30 @@ def finished_rollouts(
 
 def queue_depth(ctx: UnitContext, run_id: int) -> int:
     return int(
-        ctx.conn.execute(
+        ctx.execute(
             select(func.count()).select_from(R).where(R.c.run_id == run_id, R.c.queue_seq.isnot(None))
         ).scalar_one()
     )
 
 
 def has_queued(ctx: UnitContext, run_id: int) -> bool:
-    row = ctx.conn.execute(
+    row = ctx.execute(
         select(R.c.queue_seq).where(R.c.run_id == run_id, R.c.queue_seq.isnot(None)).limit(1)
     ).first()
     return row is not None
 
+
+
+for _stmt in (
+    _LATEST_RESOURCES,
+    _RESOURCE_VERSION,
+    _RESOURCE_VERSIONS,
+    _ROLLOUTS_BY_ID,
+    _ROLLOUTS_BY_KEY,
+    _ROLLOUT_ROW,
+    _ATTEMPT_BY_ID,
+    _ATTEMPT_BY_SEQ,
+    _LATEST_ATTEMPTS,
+    _ROLLOUT_WITH_COUNT,
+):
+    prebuilt(_stmt)

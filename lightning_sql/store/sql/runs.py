@@ -20,38 +20,38 @@ def resolve_run(
     ctx: UnitContext, name: str, now: float, *, create: bool, metadata: EncodedJson | None
 ) -> int:
     """The run's surrogate id, creating the run row (exactly once under races) when allowed."""
-    row = ctx.conn.execute(select(s.runs.c.run_id).where(s.runs.c.name == name)).first()
+    row = ctx.execute(select(s.runs.c.run_id).where(s.runs.c.name == name)).first()
     if row is not None:
         return int(row[0])
     if not create:
-        names = [r[0] for r in ctx.conn.execute(select(s.runs.c.name).order_by(s.runs.c.run_id))]
+        names = [r[0] for r in ctx.execute(select(s.runs.c.name).order_by(s.runs.c.run_id))]
         listing = ", ".join(repr(n) for n in names) if names else "none"
         raise ValueError(f"Run {name!r} does not exist in this database; existing runs: {listing}")
-    ctx.conn.execute(
+    ctx.execute(
         d.insert(ctx, s.runs)
         .values(name=name, status="active", created_at=now, metadata=metadata, seq=0)
         .on_conflict_do_nothing()
     )
-    return int(ctx.conn.execute(select(s.runs.c.run_id).where(s.runs.c.name == name)).scalar_one())
+    return int(ctx.execute(select(s.runs.c.run_id).where(s.runs.c.name == name)).scalar_one())
 
 
 def list_runs(ctx: UnitContext) -> list[Run]:
-    return [run_from_row(r) for r in ctx.conn.execute(select(s.runs).order_by(s.runs.c.run_id))]
+    return [run_from_row(r) for r in ctx.execute(select(s.runs).order_by(s.runs.c.run_id))]
 
 
 def get_run(ctx: UnitContext, name: str) -> Run | None:
-    row = ctx.conn.execute(select(s.runs).where(s.runs.c.name == name)).first()
+    row = ctx.execute(select(s.runs).where(s.runs.c.name == name)).first()
     return run_from_row(row) if row is not None else None
 
 
 def run_id_of(ctx: UnitContext, name: str) -> int | None:
-    row = ctx.conn.execute(select(s.runs.c.run_id).where(s.runs.c.name == name)).first()
+    row = ctx.execute(select(s.runs.c.run_id).where(s.runs.c.name == name)).first()
     return int(row[0]) if row is not None else None
 
 
 def mark_finished(ctx: UnitContext, run_id: int, now: float) -> Run:
-    ctx.conn.execute(update(s.runs).where(s.runs.c.run_id == run_id).values(status="finished", finished_at=now))
-    return run_from_row(ctx.conn.execute(select(s.runs).where(s.runs.c.run_id == run_id)).one())
+    ctx.execute(update(s.runs).where(s.runs.c.run_id == run_id).values(status="finished", finished_at=now))
+    return run_from_row(ctx.execute(select(s.runs).where(s.runs.c.run_id == run_id)).one())
 
 
 # Children first, so a crash between batches leaves a smaller but consistent run.
@@ -69,16 +69,16 @@ def delete_batch(ctx: UnitContext, run_id: int) -> bool:
     """Delete up to ``DELETE_BATCH_ROWS`` rows of the run; True when the run row itself is gone."""
     for table, key in _DELETE_ORDER:
         cols = [table.c[k] for k in key]
-        batch = ctx.conn.execute(select(*cols).where(table.c.run_id == run_id).limit(DELETE_BATCH_ROWS)).all()
+        batch = ctx.execute(select(*cols).where(table.c.run_id == run_id).limit(DELETE_BATCH_ROWS)).all()
         if not batch:
             continue
         from sqlalchemy import tuple_
 
-        ctx.conn.execute(
+        ctx.execute(
             delete(table).where(table.c.run_id == run_id, tuple_(*cols).in_([tuple(r) for r in batch]))
         )
         return False
-    ctx.conn.execute(delete(s.runs).where(s.runs.c.run_id == run_id))
+    ctx.execute(delete(s.runs).where(s.runs.c.run_id == run_id))
     return True
 
 
@@ -99,4 +99,4 @@ _COUNTS = {
 
 def counts(ctx: UnitContext, run_id: int) -> dict[str, int]:
     params = {"c_run_id": run_id}
-    return {name: int(ctx.conn.execute(stmt, params).scalar_one()) for name, stmt in _COUNTS.items()}
+    return {name: int(ctx.execute(stmt, params).scalar_one()) for name, stmt in _COUNTS.items()}

@@ -38,7 +38,7 @@ def _lock_rollouts(ctx: UnitContext, run_id: int, rollout_ids: Sequence[str]) ->
             .order_by(R.c.rollout_id),
         ),
     )
-    rows = ctx.conn.execute(stmt, {"s_run_id": run_id, "s_ids": ids}).all()
+    rows = ctx.execute(stmt, {"s_run_id": run_id, "s_ids": ids}).all()
     return {row.rollout_id: row for row in rows}
 
 
@@ -49,7 +49,7 @@ def _set_span_seq(ctx: UnitContext, run_id: int, rollout_id: str, value: int) ->
         .where(R.c.run_id == bindparam("s_run_id"), R.c.rollout_id == bindparam("s_rollout_id"))
         .values(span_seq=bindparam("s_value")),
     )
-    ctx.conn.execute(stmt, {"s_run_id": run_id, "s_rollout_id": rollout_id, "s_value": value})
+    ctx.execute(stmt, {"s_run_id": run_id, "s_rollout_id": rollout_id, "s_value": value})
 
 
 def reserve_sequence_ids(ctx: UnitContext, run_id: int, pairs: Sequence[tuple[str, str]]) -> list[int]:
@@ -133,7 +133,7 @@ def add_spans(
         ("span_insert", ctx.dialect),
         lambda: d.insert(ctx, S).on_conflict_do_nothing().returning(S.c.rollout_id, S.c.attempt_id, S.c.span_id),
     )
-    inserted_keys = {(r[0], r[1], r[2]) for r in ctx.conn.execute(insert_spans, unique_rows)}
+    inserted_keys = {(r[0], r[1], r[2]) for r in ctx.execute(insert_spans, unique_rows)}
     inserted: list[Span] = []
     touched: set[tuple[str, str]] = set()
     for index in unique_index:
@@ -175,9 +175,9 @@ def _lock_attempts(ctx: UnitContext, run_id: int, pairs: list[tuple[str, str]]) 
             ),
         )
         ((rid, aid),) = pairs
-        return list(ctx.conn.execute(stmt, {"s_run_id": run_id, "s_rollout_id": rid, "s_attempt_id": aid}))
+        return list(ctx.execute(stmt, {"s_run_id": run_id, "s_rollout_id": rid, "s_attempt_id": aid}))
     return list(
-        ctx.conn.execute(
+        ctx.execute(
             d.for_update(
                 ctx,
                 select(A.c.rollout_id, A.c.attempt_id, A.c.sequence_id, A.c.status)
@@ -202,7 +202,7 @@ def _heartbeat(ctx: UnitContext, run_id: int, now: float, rid: str, aid: str, ro
             status=case((A.c.status.in_(("preparing", "unresponsive")), "running"), else_=A.c.status),
         ),
     )
-    ctx.conn.execute(beat, {"s_run_id": run_id, "s_rollout_id": rid, "s_attempt_id": aid, "s_now": now})
+    ctx.execute(beat, {"s_run_id": run_id, "s_rollout_id": rid, "s_attempt_id": aid, "s_now": now})
     if attempt.sequence_id == rollout.attempt_count and rollout.status in ("preparing", *QUEUED_STATUSES):
         promote = cached(
             "span_promote",
@@ -210,7 +210,7 @@ def _heartbeat(ctx: UnitContext, run_id: int, now: float, rid: str, aid: str, ro
             .where(R.c.run_id == bindparam("s_run_id"), R.c.rollout_id == bindparam("s_rollout_id"))
             .values(status="running", queue_seq=None),
         )
-        ctx.conn.execute(promote, {"s_run_id": run_id, "s_rollout_id": rid})
+        ctx.execute(promote, {"s_run_id": run_id, "s_rollout_id": rid})
 
 
 # --- reads --------------------------------------------------------------------------------------
@@ -313,9 +313,9 @@ def query_spans(
         params["q_limit"] = limit
     if offset != 0:
         params["q_offset"] = offset
-    rows = ctx.conn.execute(page, params).all() if limit != 0 else []
+    rows = ctx.execute(page, params).all() if limit != 0 else []
     if limit == -1 and offset == 0:
         total = len(rows)
     else:
-        total = int(ctx.conn.execute(count, params).scalar_one())
+        total = int(ctx.execute(count, params).scalar_one())
     return PaginatedResult(items=[span_from_row(r) for r in rows], limit=limit, offset=offset, total=total)

@@ -870,11 +870,11 @@ def _paginate(
         page = page.limit(limit)
     if offset:
         page = page.offset(offset)
-    rows = ctx.conn.execute(page).all() if limit != 0 else []
+    rows = ctx.execute(page).all() if limit != 0 else []
     if limit == -1 and offset == 0:
         total = len(rows)
     else:
-        total = int(ctx.conn.execute(select(func.count()).select_from(table).where(*where)).scalar_one())
+        total = int(ctx.execute(select(func.count()).select_from(table).where(*where)).scalar_one())
     return PaginatedResult(items=build(rows), limit=limit, offset=offset, total=total)
 
 

@@ -66,7 +66,7 @@ def expire_leases(ctx: UnitContext, run_id: int | None, now: float) -> int:
     )
     if ctx.dialect == "postgresql":
         stmt = stmt.with_for_update(of=R, skip_locked=True)
-    hits = ctx.conn.execute(stmt).all()
+    hits = ctx.execute(stmt).all()
     if not hits:
         return 0
 
@@ -80,7 +80,7 @@ def expire_leases(ctx: UnitContext, run_id: int | None, now: float) -> int:
     changed: list[tuple[Any, str]] = []
     for start in range(0, len(keys), RECHECK_CHUNK):
         chunk = keys[start : start + RECHECK_CHUNK]
-        rows = ctx.conn.execute(
+        rows = ctx.execute(
             update(A)
             .where(
                 tuple_(A.c.run_id, A.c.rollout_id, A.c.attempt_id).in_(chunk),
@@ -118,7 +118,7 @@ def expire_leases(ctx: UnitContext, run_id: int | None, now: float) -> int:
             requeue_params.append({"b_run": hit.run_id, "b_rollout": hit.rollout_id, "b_pos": pos})
         ctx.announce(rid_run, "queued")
     if requeue_params:
-        ctx.conn.execute(
+        ctx.execute(
             update(R)
             .where(
                 R.c.run_id == bindparam("b_run"),
@@ -129,7 +129,7 @@ def expire_leases(ctx: UnitContext, run_id: int | None, now: float) -> int:
             requeue_params,
         )
     if fail:
-        ctx.conn.execute(
+        ctx.execute(
             update(R)
             .where(
                 R.c.run_id == bindparam("b_run"),
@@ -142,7 +142,7 @@ def expire_leases(ctx: UnitContext, run_id: int | None, now: float) -> int:
         for run in {f["b_run"] for f in fail}:
             ctx.announce(run, "finished")
     if workers:
-        ctx.conn.execute(
+        ctx.execute(
             update(W)
             .where(
                 W.c.run_id == bindparam("b_run"),

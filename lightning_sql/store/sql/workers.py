@@ -46,7 +46,7 @@ def _upsert(
     params = {f"w_{col}": value for col, value in insert_values.items()}
     params["w_run_id"] = run_id
     params["w_worker_id"] = worker_id
-    ctx.conn.execute(stmt, params)
+    ctx.execute(stmt, params)
 
 
 def _take(*cols: str) -> tuple[tuple[str, Any], ...]:
@@ -137,5 +137,5 @@ def get_worker(ctx: UnitContext, run_id: int, worker_id: str) -> Worker | None:
         "worker_by_id",
         lambda: select(W).where(W.c.run_id == bindparam("w_run_id"), W.c.worker_id == bindparam("w_worker_id")),
     )
-    row = ctx.conn.execute(stmt, {"w_run_id": run_id, "w_worker_id": worker_id}).first()
+    row = ctx.execute(stmt, {"w_run_id": run_id, "w_worker_id": worker_id}).first()
     return worker_from_row(row) if row is not None else None

@@ -1,0 +1,368 @@
+"""Execute prebuilt statements straight on the DBAPI cursor (the hot paths' last lever).
+
+SQLAlchemy's ``Connection.execute`` costs ~60-100 µs of Python per statement on top of the driver
+(execution context, cache-key walk, parameter construction, result metadata): more than SQLite needs
+to run most of the store's statements.  For a statement built once (``statements.cached``), all of
+that can be worked out once: the SQL text for this dialect and schema, the order of its positional
+parameters, their bind processors, and the result columns with their result processors.  Each later
+execution is then one ``cursor.execute(sql, params)`` plus the processors.
+
+What stays SQLAlchemy's: the connection and its transaction (a raw execution first makes sure the
+``Connection`` has begun one, so ``commit()``/``rollback()`` behave as before), error translation
+(driver errors are re-raised as SQLAlchemy's ``DBAPIError`` subclasses, and a lost connection is
+invalidated) and every statement this module declines: statements built per call, ``echo=True``
+engines, Python-side column defaults, and multi-row parameters with ``RETURNING`` or on PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import keyword
+import threading
+from collections import namedtuple
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Connection
+from sqlalchemy.exc import DBAPIError, MultipleResultsFound, NoResultFound
+from sqlalchemy.sql.compiler import SQLCompiler
+
+from lightning_sql.store.sql.statements import is_prebuilt
+
+
+@dataclass
+class _Plan:
+    """Everything about one statement on one dialect and schema that does not depend on data."""
+
+    compiled: SQLCompiler
+    sql: str | None  # None when expanding / literal-execute parameters make the text depend on data
+    positiontup: tuple[str, ...]
+    bind_processors: Mapping[str, Any]
+    row_class: Any  # None for statements that return no rows
+    result_types: tuple[Any, ...]
+    # One per result column (None when none has one), worked out at the first execution: some
+    # dialects choose a processor by the driver's column type in ``cursor.description``.
+    result_processors: tuple[Any, ...] | None | bool  # False until worked out
+    schema_map: Mapping[str | None, str] | None
+    executemany_ok: bool
+    returning: bool
+    # SQLite (qmark) only: how to bind without SQLAlchemy's parameter machinery.  ``slots`` has one
+    # entry per placeholder name: (name, bind processor, expanding arity: 0 scalar, 1 list, n tuples).
+    slots: tuple[tuple[str, Any, int], ...] | None = None
+    defaults: Mapping[str, Any] | None = None
+    pieces: tuple[str, ...] | None = None  # the SQL text split around expanding placeholders
+    expanded_sql: dict[tuple[int, ...], str] | None = None
+
+
+_plans: dict[tuple[Any, ...], _Plan | None] = {}
+_plans_lock = threading.Lock()
+
+
+class FastResult:
+    """The subset of SQLAlchemy's ``Result`` the store's units use, over rows already fetched."""
+
+    __slots__ = ("_rows", "rowcount")
+
+    def __init__(self, rows: list[Any], rowcount: int) -> None:
+        self._rows = rows
+        self.rowcount = rowcount
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._rows)
+
+    def all(self) -> list[Any]:
+        return self._rows
+
+    fetchall = all
+
+    def first(self) -> Any:
+        return self._rows[0] if self._rows else None
+
+    def one_or_none(self) -> Any:
+        if len(self._rows) > 1:
+            raise MultipleResultsFound("Multiple rows were found when one or none was required")
+        return self._rows[0] if self._rows else None
+
+    def one(self) -> Any:
+        if not self._rows:
+            raise NoResultFound("No row was found when one was required")
+        if len(self._rows) > 1:
+            raise MultipleResultsFound("Multiple rows were found when exactly one was required")
+        return self._rows[0]
+
+    def scalar(self) -> Any:
+        return self._rows[0][0] if self._rows else None
+
+    def scalar_one(self) -> Any:
+        return self.one()[0]
+
+    def scalar_one_or_none(self) -> Any:
+        row = self.one_or_none()
+        return None if row is None else row[0]
+
+    def scalars(self) -> FastResult:
+        return FastResult([row[0] for row in self._rows], self.rowcount)
+
+
+def _row_class(names: Sequence[str]) -> Any:
+    """A named tuple with ``_mapping`` (what ``rows.py`` reads), or None when the names cannot be fields."""
+    if len(set(names)) != len(names) or any(
+        not n.isidentifier() or keyword.iskeyword(n) or n.startswith("_") for n in names
+    ):
+        return None
+    fields = tuple(names)
+    base = namedtuple("FastRow", fields)  # type: ignore[misc]  # noqa: PYI024
+
+    def _mapping(self: Any) -> dict[str, Any]:
+        return dict(zip(fields, self, strict=True))
+
+    return type("FastRow", (base,), {"__slots__": (), "_mapping": property(_mapping)})
+
+
+def _plan_for(
+    conn: Connection, stmt: Any, schema_map: Mapping[str | None, str] | None, column_keys: tuple[str, ...] | None
+) -> _Plan | None:
+    dialect = conn.dialect
+    compiled = stmt.compile(
+        dialect=dialect,
+        schema_translate_map=schema_map,
+        column_keys=list(column_keys) if column_keys is not None else None,
+    )
+    if not isinstance(compiled, SQLCompiler) or not compiled.positional:
+        return None
+    if compiled.insert_prefetch or compiled.update_prefetch:
+        return None  # Python-side column defaults: SQLAlchemy's execution context computes them
+    expanding = bool(compiled.literal_execute_params or compiled.post_compile_params)
+    sql: str | None = None
+    if not expanding:
+        sql = compiled.string
+        if compiled.schema_translate_map:
+            sql = compiled.preparer._render_schema_translates(sql, schema_map or {})
+    row_class = None
+    if compiled._result_columns:
+        row_class = _row_class([entry.keyname for entry in compiled._result_columns])
+        if row_class is None:
+            return None
+    elif compiled.effective_returning or compiled.isplaintext:
+        return None
+    returning = bool(compiled.effective_returning or compiled._result_columns)
+    slots, defaults, pieces = _qmark_binding(compiled, dialect, schema_map)
+    return _Plan(
+        slots=slots,
+        defaults=defaults,
+        pieces=pieces,
+        expanded_sql={} if pieces is not None else None,
+        compiled=compiled,
+        sql=sql,
+        positiontup=tuple(compiled.positiontup or ()),
+        bind_processors=dict(compiled._bind_processors),
+        row_class=row_class,
+        result_types=tuple(entry.type for entry in compiled._result_columns),
+        result_processors=False,
+        schema_map=schema_map,
+        # SQLite runs a multi-row execution as executemany, or (RETURNING) one execute per row:
+        # both cost microseconds there.  PostgreSQL keeps SQLAlchemy's one-round-trip batching.
+        executemany_ok=dialect.name == "sqlite" and not expanding,
+        returning=returning,
+    )
+
+
+def _result_processors(conn: Connection, plan: _Plan, description: Any) -> tuple[Any, ...] | None:
+    if description is None or len(description) != len(plan.result_types):
+        raise RuntimeError("fastexec: the driver described another result than the statement compiled to")
+    procs = tuple(
+        type_._cached_result_processor(conn.dialect, col[1])
+        for type_, col in zip(plan.result_types, description, strict=True)
+    )
+    plan.result_processors = procs if any(p is not None for p in procs) else None
+    return plan.result_processors
+
+
+def _lookup(conn: Connection, stmt: Any, first_params: Mapping[str, Any] | None) -> _Plan | None:
+    options = conn.get_execution_options()
+    schema_map = options.get("schema_translate_map")
+    dialect = conn.dialect
+    # An INSERT/UPDATE without explicit values compiles the columns its parameters name.
+    column_keys = tuple(sorted(first_params)) if stmt.is_dml and first_params else None
+    key = (
+        id(stmt),
+        column_keys,
+        dialect.name,
+        dialect.server_version_info,
+        tuple(sorted((schema_map or {}).items(), key=str)),
+    )
+    try:
+        return _plans[key]
+    except KeyError:
+        pass
+    plan = _plan_for(conn, stmt, schema_map, column_keys)
+    with _plans_lock:
+        return _plans.setdefault(key, plan)
+
+
+def _qmark_binding(
+    compiled: SQLCompiler, dialect: Any, schema_map: Mapping[str | None, str] | None
+) -> tuple[tuple[tuple[str, Any, int], ...] | None, dict[str, Any] | None, tuple[str, ...] | None]:
+    """Precompute SQLite's binding: placeholder order, processors, defaults, expansion points."""
+    if dialect.paramstyle != "qmark" or compiled.literal_execute_params:
+        return None, None, None
+    slots: list[tuple[str, Any, int]] = []
+    defaults: dict[str, Any] = {}
+    for name in compiled.positiontup or ():
+        bind = compiled.binds[name]
+        if bind.callable is not None:
+            return None, None, None
+        if not bind.required:
+            defaults[name] = bind.value
+        if bind.expanding:
+            types = getattr(bind.type, "types", None)
+            element_types = types if types is not None else [bind.type]
+            if any(t._cached_bind_processor(dialect) is not None for t in element_types):
+                return None, None, None
+            slots.append((name, None, len(types) if types is not None else 1))
+        else:
+            slots.append((name, compiled._bind_processors.get(name), 0))
+    sql = compiled.string
+    if compiled.schema_translate_map:
+        sql = compiled.preparer._render_schema_translates(sql, schema_map or {})
+    pieces = [sql]
+    for name, _proc, arity in slots:
+        if arity:
+            head, sep, tail = pieces[-1].partition(f"__[POSTCOMPILE_{name}]")
+            if not sep:
+                return None, None, None
+            pieces[-1:] = [head, tail]
+    return tuple(slots), defaults, tuple(pieces)
+
+
+def _qmark_positional(plan: _Plan, params: Mapping[str, Any]) -> tuple[str, list[Any]] | None:
+    """SQLite's text and parameters straight from ``params``; None to take SQLAlchemy's path (a
+    missing value, an empty IN list) so that its errors and special cases stay exactly its own."""
+    assert plan.slots is not None and plan.defaults is not None and plan.pieces is not None
+    out: list[Any] = []
+    lengths: list[int] = []
+    for name, proc, arity in plan.slots:
+        if name in params:
+            value = params[name]
+        elif name in plan.defaults:
+            value = plan.defaults[name]
+        else:
+            return None
+        if arity == 0:
+            out.append(value if proc is None else proc(value))
+        elif not value:
+            return None
+        elif arity == 1:
+            out.extend(value)
+            lengths.append(len(value))
+        else:
+            for item in value:
+                if len(item) != arity:
+                    return None
+                out.extend(item)
+            lengths.append(len(value))
+    key = tuple(lengths)
+    assert plan.expanded_sql is not None
+    sql = plan.expanded_sql.get(key)
+    if sql is None:
+        parts = [plan.pieces[0]]
+        expanding = [(arity, n) for (_name, _p, arity), n in zip((x for x in plan.slots if x[2]), key, strict=True)]
+        for (arity, n), piece in zip(expanding, plan.pieces[1:], strict=True):
+            group = "?" if arity == 1 else "(" + ", ".join(["?"] * arity) + ")"
+            rendered = ", ".join([group] * n)
+            parts.append(rendered if arity == 1 else "VALUES " + rendered)
+            parts.append(piece)
+        sql = plan.expanded_sql.setdefault(key, "".join(parts))
+    return sql, out
+
+
+def _positional(plan: _Plan, params: Mapping[str, Any]) -> tuple[str, list[Any]]:
+    """The SQL text and positional parameters of one execution."""
+    if plan.slots is not None:
+        fast = _qmark_positional(plan, params)
+        if fast is not None:
+            return fast
+    compiled = plan.compiled
+    if plan.sql is not None:
+        values = compiled.construct_params(params, escape_names=False)
+        procs = plan.bind_processors
+        return plan.sql, [
+            procs[name](values[name]) if name in procs else values[name] for name in plan.positiontup
+        ]
+    values = compiled.construct_params(params, escape_names=False)
+    expanded = compiled._process_parameters_for_postcompile(values)
+    sql = expanded.statement
+    if compiled.schema_translate_map:
+        sql = compiled.preparer._render_schema_translates(sql, plan.schema_map or {})
+    procs = dict(plan.bind_processors)
+    procs.update(expanded.processors)
+    return sql, [
+        procs[name](expanded.parameters[name]) if name in procs else expanded.parameters[name]
+        for name in expanded.positiontup or ()
+    ]
+
+
+def execute(conn: Connection, stmt: Any, params: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None) -> Any:
+    """``conn.execute(stmt, params)``, straight on the driver when ``stmt`` is a prebuilt statement."""
+    if not is_prebuilt(stmt) or conn.engine.echo:
+        return conn.execute(stmt, params)  # type: ignore[arg-type]
+    many: list[Mapping[str, Any]] | None = None
+    if isinstance(params, (list, tuple)):
+        if not params:
+            return conn.execute(stmt, params)
+        many = list(params)
+    single: Mapping[str, Any] = {} if many is not None or params is None else params  # type: ignore[assignment]
+    plan = _lookup(conn, stmt, many[0] if many is not None else single)
+    if plan is None or (many is not None and not plan.executemany_ok):
+        return conn.execute(stmt, params)  # type: ignore[arg-type]
+    if not conn.in_transaction():
+        conn.begin()  # so that the unit's commit()/rollback() reach the driver as before
+    dbapi_conn = conn.connection.dbapi_connection
+    assert dbapi_conn is not None
+    positional: Any
+    if many is not None:
+        batches = [_positional(plan, p) for p in many]
+        sql, positional = batches[0][0], [b[1] for b in batches]
+    else:
+        sql, positional = _positional(plan, single)
+    cursor = dbapi_conn.cursor()
+    try:
+        raw: list[Any] = []
+        if many is None:
+            cursor.execute(sql, positional)
+            if plan.row_class is not None:
+                raw = list(cursor.fetchall())
+            rowcount = cursor.rowcount
+        elif plan.returning:
+            for one in positional:
+                cursor.execute(sql, one)
+                raw.extend(cursor.fetchall())
+            rowcount = len(raw)
+        else:
+            cursor.executemany(sql, positional)
+            rowcount = cursor.rowcount
+        rows: list[Any] = []
+        if plan.row_class is not None:
+            make = plan.row_class._make
+            procs = plan.result_processors
+            if procs is False or procs is True:
+                procs = _result_processors(conn, plan, cursor.description)
+            if procs is None:
+                rows = [make(r) for r in raw]
+            else:
+                rows = [make([v if p is None else p(v) for p, v in zip(procs, r, strict=True)]) for r in raw]
+        return FastResult(rows, rowcount)
+    except conn.dialect.loaded_dbapi.Error as exc:
+        invalidated = conn.dialect.is_disconnect(exc, dbapi_conn, cursor)
+        if invalidated:
+            conn.invalidate(exc)
+        raise DBAPIError.instance(
+            sql,
+            positional,
+            exc,
+            conn.dialect.loaded_dbapi.Error,
+            connection_invalidated=invalidated,
+            dialect=conn.dialect,
+        ) from exc
+    finally:
+        cursor.close()

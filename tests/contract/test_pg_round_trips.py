@@ -1,0 +1,389 @@
+"""Round trips per store call on PostgreSQL, counted on the wire.
+
+The store reaches PostgreSQL through a TCP proxy (``WireCounter``) that forwards every byte unchanged
+and parses the frontend/backend protocol on the way: a round trip is one ``ReadyForQuery`` message
+from the server (the end of every simple query and of every extended-protocol ``Sync``; a client
+waits for it before it goes on).  The LISTEN connection is left out (its keep-alive is not a call's
+cost).  Nothing is mocked: the database answers every message.
+
+Guarantees:
+* a read unit costs the pool's pre-ping plus its statements: no BEGIN/COMMIT (autocommit under READ
+  COMMITTED sees what a READ COMMITTED transaction would: every statement takes its own snapshot);
+* the pre-ping is one round trip, also before a write unit (not BEGIN + ping + ROLLBACK);
+* a write unit is one transaction: BEGIN, its statements, its notifications in one statement, COMMIT;
+* the invariant checker still reads in one REPEATABLE READ READ ONLY transaction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from sqlalchemy import make_url, text
+
+from lightning_sql import RolloutConfig, SqlLightningStore
+from lightning_sql.store.sql.check import check_invariants
+from lightning_sql.store.sql.engine import NOTIFY_CHANNEL, UnitContext
+from tests.conftest import PG_URL, BackendSpec
+from tests.helpers import FakeClock
+
+pytestmark = pytest.mark.postgres
+
+_SSL_REQUEST = 80877103
+_GSSENC_REQUEST = 80877104
+
+
+@dataclass(eq=False)
+class WireConn:
+    """One client connection: is it past its startup message, is it the LISTEN connection, the text
+    of its prepared statements, and its two sockets."""
+
+    started_up: bool = False
+    listener: bool = False
+    prepared: dict[str, str] = field(default_factory=dict)
+    writers: list[asyncio.StreamWriter] = field(default_factory=list)
+
+
+@dataclass
+class WireCounts:
+    """What the pool's connections sent and waited for (in wire order, over all of them)."""
+
+    ready: int = 0  # ReadyForQuery messages from the server = round trips
+    queries: list[str] = field(default_factory=list)  # simple-protocol Query texts (BEGIN, COMMIT, ...)
+    parses: list[str] = field(default_factory=list)  # extended-protocol Parse texts (statements prepared)
+    statements: list[str] = field(default_factory=list)  # extended-protocol Bind: the statements run
+
+
+class WireCounter:
+    """A TCP proxy in front of PostgreSQL that counts round trips per client connection."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self._upstream = (host, port)
+        self._lock = threading.Lock()
+        # (connection, message kind, text) in wire order: "Q" query, "P" parse, "B" bind, "Z" ready.
+        self.log: list[tuple[WireConn, str, str]] = []
+        self._loop = asyncio.new_event_loop()
+        self._started = threading.Event()
+        self._server: asyncio.AbstractServer | None = None
+        self.port = 0
+        self._thread = threading.Thread(target=self._main, name="wire-counter", daemon=True)
+        self._thread.start()
+        if not self._started.wait(10):
+            raise RuntimeError("the wire counter did not start")
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(self._listen())
+        self._started.set()
+        self._loop.run_forever()
+
+    async def _listen(self) -> None:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    def close(self) -> None:
+        async def stop() -> None:
+            if self._server is not None:
+                self._server.close()
+
+        asyncio.run_coroutine_threadsafe(stop(), self._loop).result(5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+    def mark(self) -> int:
+        with self._lock:
+            return len(self.log)
+
+    def since(self, mark: int) -> WireCounts:
+        """What every connection but the LISTEN one sent and waited for since ``mark``."""
+        out = WireCounts()
+        with self._lock:
+            entries = self.log[mark:]
+        for conn, kind, what in entries:
+            if conn.listener:
+                continue
+            if kind == "Z":
+                out.ready += 1
+            elif kind == "Q":
+                out.queries.append(what)
+            elif kind == "P":
+                out.parses.append(what)
+            elif kind == "B":
+                out.statements.append(what)
+        return out
+
+    def drop_all(self) -> None:
+        """Cut every connection open now, as a network failure or a server restart would."""
+
+        async def drop() -> None:
+            with self._lock:
+                conns = {conn for conn, _, _ in self.log}
+            for conn in conns:
+                for writer in conn.writers:
+                    writer.transport.abort()
+
+        asyncio.run_coroutine_threadsafe(drop(), self._loop).result(5)
+
+    async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        try:
+            server_r, server_w = await asyncio.open_connection(*self._upstream)
+        except OSError:
+            client_w.close()
+            return
+        stats = WireConn(writers=[client_w, server_w])
+        with self._lock:
+            self.log.append((stats, "C", ""))  # connected
+        single_byte_replies = [0]  # SSL/GSS requests the server answers with one untyped byte
+        await asyncio.gather(
+            self._pump(client_r, server_w, lambda buf: self._from_client(buf, stats, single_byte_replies)),
+            self._pump(server_r, client_w, lambda buf: self._from_server(buf, stats, single_byte_replies)),
+            return_exceptions=True,
+        )
+
+    @staticmethod
+    async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, parse: Any) -> None:
+        buf = bytearray()
+        try:
+            while True:
+                data = await reader.read(65536)
+                if not data:
+                    break
+                buf += data
+                parse(buf)  # before forwarding: a reply cannot overtake its request's bookkeeping
+                writer.write(data)
+                await writer.drain()
+        finally:
+            writer.close()
+
+    def _from_client(self, buf: bytearray, stats: WireConn, single: list[int]) -> None:
+        while True:
+            if not stats.started_up:
+                if len(buf) < 8:
+                    return
+                (length,) = struct.unpack("!I", buf[:4])
+                if len(buf) < length:
+                    return
+                (code,) = struct.unpack("!I", buf[4:8])
+                del buf[:length]
+                if code in (_SSL_REQUEST, _GSSENC_REQUEST):
+                    single[0] += 1
+                else:
+                    stats.started_up = True
+                continue
+            if len(buf) < 5:
+                return
+            kind = chr(buf[0])
+            (length,) = struct.unpack("!I", buf[1:5])
+            if len(buf) < 1 + length:
+                return
+            body = bytes(buf[5 : 1 + length])
+            del buf[: 1 + length]
+            if kind in "QPB":
+                if kind == "Q":
+                    text = body.split(b"\0", 1)[0].decode()
+                elif kind == "P":
+                    name, text = (part.decode() for part in body.split(b"\0")[:2])
+                    stats.prepared[name] = text
+                else:
+                    text = stats.prepared.get(body.split(b"\0")[1].decode(), "?")
+                if text.lstrip().upper().startswith("LISTEN"):
+                    stats.listener = True
+                with self._lock:
+                    self.log.append((stats, kind, text))
+
+    def _from_server(self, buf: bytearray, stats: WireConn, single: list[int]) -> None:
+        while True:
+            if single[0]:
+                if not buf:
+                    return
+                assert buf[0:1] == b"N", "the wire counter cannot read an encrypted stream"
+                del buf[:1]
+                single[0] -= 1
+                continue
+            if len(buf) < 5:
+                return
+            kind = chr(buf[0])
+            (length,) = struct.unpack("!I", buf[1:5])
+            if len(buf) < 1 + length:
+                return
+            del buf[: 1 + length]
+            if kind == "Z":
+                with self._lock:
+                    self.log.append((stats, "Z", ""))
+
+
+@pytest.fixture
+def wire(pg_backend: BackendSpec) -> Iterator[tuple[WireCounter, str, str]]:
+    """(counter, proxied URL, schema): the test's PostgreSQL schema reached through the counter."""
+    url = make_url(PG_URL)
+    counter = WireCounter(url.host or "127.0.0.1", url.port or 5432)
+    try:
+        assert pg_backend.schema is not None
+        yield counter, url.set(host="127.0.0.1", port=counter.port).render_as_string(False), pg_backend.schema
+    finally:
+        counter.close()
+
+
+async def _measure(counter: WireCounter, call: Any, n: int) -> tuple[float, WireCounts]:
+    """Round trips per call of ``n`` sequential calls, and what they sent."""
+    mark = counter.mark()
+    for i in range(n):
+        await call(i)
+    delta = counter.since(mark)
+    return delta.ready / n, delta
+
+
+def _open(url: str, schema: str, **kwargs: Any) -> SqlLightningStore:
+    kwargs.setdefault("clock_sync", False)
+    kwargs.setdefault("scan_debounce_seconds", 3600)  # no lazy sweep inside a measured call
+    return SqlLightningStore(url, run="round-trips", schema=schema, **kwargs)
+
+
+def _is_ping(statement: str) -> bool:
+    return statement.strip() == ";"  # SQLAlchemy's asyncpg pre-ping
+
+
+async def test_a_read_costs_the_ping_and_its_statements(wire: tuple[WireCounter, str, str]) -> None:
+    counter, url, schema = wire
+    store = _open(url, schema)
+    try:
+        await store.update_worker("w1")
+        for _ in range(3):  # warm: the pool's connection has prepared the statements
+            assert await store.get_worker_by_id("w1") is not None
+        per_call, seen = await _measure(counter, lambda i: store.get_worker_by_id("w1"), 20)
+        # No BEGIN/COMMIT (nor the BEGIN/ROLLBACK a pre-ping costs outside autocommit): only
+        # statements, each one round trip: the pre-ping and the SELECT.
+        assert seen.queries == []
+        assert seen.parses == []
+        assert [_is_ping(st) for st in seen.statements] == [True, False] * 20
+        assert per_call == 2, seen
+    finally:
+        await store.close()
+
+
+async def test_a_write_is_one_transaction_after_a_one_round_trip_ping(wire: tuple[WireCounter, str, str]) -> None:
+    counter, url, schema = wire
+    store = _open(url, schema)
+    try:
+        for _ in range(3):
+            await store.update_worker("w1")
+        per_call, seen = await _measure(counter, lambda i: store.update_worker("w1"), 20)
+        begins = [q for q in seen.queries if q.upper().startswith("BEGIN")]
+        assert len(begins) == 20 and all("READ ONLY" not in q.upper() for q in begins), seen.queries
+        assert [q for q in seen.queries if not q.upper().startswith("BEGIN")] == ["COMMIT;"] * 20
+        pings = [st for st in seen.statements if _is_ping(st)]
+        assert len(pings) == 20
+        # Round trips: the ping, BEGIN, the unit's statements, COMMIT; nothing else.
+        assert seen.ready == len(seen.statements) + 2 * 20, seen
+        assert per_call == 3 + (len(seen.statements) - 20) / 20  # ping, BEGIN, COMMIT + statements
+    finally:
+        await store.close()
+
+
+async def test_a_units_notifications_are_one_statement(
+    wire: tuple[WireCounter, str, str], clock: FakeClock
+) -> None:
+    import asyncpg
+
+    counter, url, schema = wire
+    store = _open(url, schema, clock=clock)
+    payloads: list[str] = []
+    listener = await asyncpg.connect(make_url(PG_URL).set(drivername="postgresql").render_as_string(False))
+    try:
+        await listener.add_listener(NOTIFY_CHANNEL, lambda *args: payloads.append(args[3]))
+        retried = await store.start_rollout(1, config=RolloutConfig(timeout_seconds=10, max_attempts=2, retry_condition=["timeout"]))
+        failed = await store.start_rollout(2, config=RolloutConfig(timeout_seconds=10, max_attempts=1))
+        clock.advance(11)
+        mark = counter.mark()
+        assert await store.sweep() == 2  # one requeue ("queued") and one failure ("finished")
+        seen = counter.since(mark)
+        notifies = [st for st in seen.statements if "pg_notify" in st]
+        assert len(notifies) == 1, notifies
+        deadline = asyncio.get_running_loop().time() + 5
+        while len(payloads) < 2 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+        run_ids = {p.split(":", 1)[0] for p in payloads}
+        assert len(run_ids) == 1 and sorted(p.split(":", 1)[1] for p in payloads) == ["finished", "queued"]
+        assert (await store.get_rollout_by_id(retried.rollout_id)).status == "requeuing"  # type: ignore[union-attr]
+        assert (await store.get_rollout_by_id(failed.rollout_id)).status == "failed"  # type: ignore[union-attr]
+    finally:
+        await listener.close()
+        await store.close()
+
+
+async def test_the_checker_reads_one_snapshot(wire: tuple[WireCounter, str, str]) -> None:
+    counter, url, schema = wire
+    store = _open(url, schema)
+    try:
+        await store.enqueue_rollout(1)
+        mark = counter.mark()
+        assert await check_invariants(store) == []
+        seen = counter.since(mark)
+        assert seen.queries == ["BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY;", "COMMIT;"], seen.queries
+    finally:
+        await store.close()
+
+
+async def test_read_units_see_one_transaction_per_statement_and_snapshots_one_for_all(
+    wire: tuple[WireCounter, str, str],
+) -> None:
+    """What autocommit means for a read unit, seen from the server (no proxy bookkeeping)."""
+    _, url, schema = wire
+    store = _open(url, schema)
+    stamps = text("SELECT statement_timestamp(), transaction_timestamp(), current_setting('transaction_isolation'), "
+                  "current_setting('transaction_read_only')")
+
+    def two_statements(ctx: UnitContext) -> list[Any]:
+        first = ctx.conn.execute(stamps).one()
+        time.sleep(0.01)
+        return [first, ctx.conn.execute(stamps).one()]
+
+    try:
+        worker, _ = await store._prepare(needs_run=False)
+        read = await store._submit(worker, two_statements, write=False)
+        assert read[0][1] != read[1][1]  # each statement its own transaction
+        assert read[0][2] == "read committed"
+        snap = await store._submit(worker, two_statements, write=False, snapshot=True)
+        assert snap[0][1] == snap[1][1]  # one transaction
+        assert snap[0][2:] == ("repeatable read", "on")
+        write = await store._submit(worker, two_statements, write=True)
+        assert write[0][1] == write[1][1]
+        assert write[0][2:] == ("read committed", "off")
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize("pre_ping", [True, False])
+async def test_a_read_on_a_dropped_connection_is_retried(wire: tuple[WireCounter, str, str], pre_ping: bool) -> None:
+    """Without a transaction a read still replays after a lost connection (and finds a new one).
+
+    With the pre-ping the checkout notices the dead connection and opens another; without it the
+    read's first statement fails and the worker replays the unit (``ctx.attempt`` 1)."""
+    counter, url, schema = wire
+    store = _open(url, schema, pool_pre_ping=pre_ping)
+    tries: list[int] = []
+
+    def read(ctx: UnitContext) -> int:
+        tries.append(ctx.attempt)
+        return int(ctx.conn.execute(text("SELECT 1")).scalar_one())
+
+    try:
+        await store.update_worker("w1")
+        worker, _ = await store._prepare(needs_run=False)
+        assert await store._submit(worker, read, write=False) == 1
+        for _ in range(3):
+            tries.clear()
+            counter.drop_all()
+            await asyncio.sleep(0.05)
+            assert await store._submit(worker, read, write=False) == 1
+            assert tries == ([0] if pre_ping else [0, 1])
+            assert (await store.get_worker_by_id("w1")) is not None
+            assert (await store.update_worker("w1")).worker_id == "w1"
+    finally:
+        await store.close()
