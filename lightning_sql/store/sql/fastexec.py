@@ -11,7 +11,8 @@ What stays SQLAlchemy's: the connection and its transaction (a raw execution fir
 ``Connection`` has begun one, so ``commit()``/``rollback()`` behave as before), error translation
 (driver errors are re-raised as SQLAlchemy's ``DBAPIError`` subclasses, and a lost connection is
 invalidated) and every statement this module declines: statements built per call, ``echo=True``
-engines, Python-side column defaults, and multi-row parameters with ``RETURNING`` or on PostgreSQL.
+engines, Python-side column defaults, and multi-row parameters on PostgreSQL (SQLite runs them
+as ``executemany``, or one ``execute`` per row with ``RETURNING``).
 """
 
 from __future__ import annotations

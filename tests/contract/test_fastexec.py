@@ -1,0 +1,82 @@
+"""fastexec runs prebuilt statements on the DBAPI cursor: it must return what SQLAlchemy returns.
+
+Each statement below is executed both ways inside one unit on real data of every backend, and the
+rows (values, column names, processed types such as decoded JSON) and row counts are compared.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from sqlalchemy import bindparam, select, update
+
+from lightning_sql.store.sql import fastexec
+from lightning_sql.store.sql import rollouts as ro
+from lightning_sql.store.sql import schema as s
+from lightning_sql.store.sql.statements import cached, is_prebuilt
+from lightning_sql.types import EnqueueRolloutRequest
+
+R = s.rollouts
+A = s.attempts
+
+_PAGE = cached(
+    ("test_fastexec_page",),
+    lambda: select(R.c.rollout_id, R.c.input, R.c.metadata, R.c.start_time, R.c.status)
+    .where(R.c.run_id == bindparam("t_run_id"))
+    .order_by(R.c.create_seq)
+    .limit(bindparam("t_limit"))
+    .offset(2),  # a bound value the caller never passes
+)
+_TOUCH = cached(
+    ("test_fastexec_touch",),
+    lambda: update(R).where(R.c.run_id == bindparam("t_run_id"), R.c.status == bindparam("t_status")).values(
+        mode=R.c.mode
+    ),
+)
+
+
+def _rows(result: Any) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+    return [(tuple(row), dict(row._mapping)) for row in result.all()]
+
+
+async def test_prebuilt_statements_return_what_sqlalchemy_returns(store: Any) -> None:
+    queued = await store.enqueue_many_rollouts(
+        [EnqueueRolloutRequest(input={"task": i, "tags": ["a", i], "x": 1.5}, metadata={"k": str(i)}) for i in range(6)]
+    )
+    ids = [r.rollout_id for r in queued]
+    claimed = await store.dequeue_many_rollouts(limit=3, worker_id="w")
+    pairs = [(ar.rollout_id, ar.attempt.sequence_id) for ar in claimed]
+
+    def unit(ctx: Any, run_id: int, _now: float) -> list[str]:
+        cases: list[tuple[Any, Any]] = [
+            (ro._ROLLOUTS_BY_ID, {"r_run_id": run_id, "r_ids": ids[:4]}),  # expanding IN
+            (ro._ROLLOUTS_BY_ID, {"r_run_id": run_id, "r_ids": []}),  # empty IN: SQLAlchemy's own path
+            (ro._LATEST_ATTEMPTS, {"r_run_id": run_id, "r_pairs": pairs}),  # tuple IN
+            (ro._ROLLOUT_WITH_COUNT, {"r_run_id": run_id, "r_rollout_id": ids[0]}),
+            (ro._ROLLOUT_WITH_COUNT, {"r_run_id": run_id, "r_rollout_id": "missing"}),
+            (_PAGE, {"t_run_id": run_id, "t_limit": 3}),
+        ]
+        checked = []
+        for stmt, params in cases:
+            assert is_prebuilt(stmt)
+            fast = _rows(fastexec.execute(ctx.conn, stmt, params))
+            slow = _rows(ctx.conn.execute(stmt, params))
+            assert fast == slow, stmt
+            assert [type(v) for row, _ in fast for v in row] == [type(v) for row, _ in slow for v in row]
+            checked.append(str(len(fast)))
+        for status in ("queuing", "preparing", "succeeded"):
+            params = {"t_run_id": run_id, "t_status": status}
+            assert fastexec.execute(ctx.conn, _TOUCH, params).rowcount == ctx.conn.execute(_TOUCH, params).rowcount
+        return checked
+
+    counts = await store._call("test", unit, write=True)
+    assert counts == ["4", "0", "3", "1", "0", "3"]
+
+
+async def test_missing_parameter_raises_sqlalchemys_error(store: Any) -> None:
+    def unit(ctx: Any, run_id: int, _now: float) -> None:
+        fastexec.execute(ctx.conn, ro._ROLLOUT_WITH_COUNT, {"r_run_id": run_id})
+
+    with pytest.raises(Exception, match="r_rollout_id"):
+        await store._call("test", unit, write=False)
