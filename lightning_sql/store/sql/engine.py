@@ -333,10 +333,7 @@ class WaitHub:
             else:
                 entries = list(self._waiters.get(run_id, ()))
         for loop, ev in entries:
-            try:
-                loop.call_soon_threadsafe(ev.set)
-            except RuntimeError:  # the waiter's loop is closed
-                pass
+            _call_soon_threadsafe(loop, ev.set)
 
 
 # --- workers ----------------------------------------------------------------------------------
