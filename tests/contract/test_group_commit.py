@@ -264,16 +264,17 @@ async def test_a_transient_error_replays_the_group_one_by_one(store):
     assert tuple(a - b for a, b in zip(counters(worker), before, strict=True)) == (0, 0, 1)
 
 
+# A deferred foreign key is checked at COMMIT: a unit that violates it fails the COMMIT, not itself.
+_DEFERRED_FK_TABLES = (
+    "CREATE TEMP TABLE gc_parent (k INTEGER PRIMARY KEY)",
+    "CREATE TEMP TABLE gc_child (p INTEGER REFERENCES gc_parent (k) DEFERRABLE INITIALLY DEFERRED)",
+)
+
+
 @SQLITE_THREAD
 async def test_a_failed_commit_replays_the_group_one_by_one(store):
     # A deferred foreign key is checked at COMMIT: one unit's violation fails the shared commit.
-    worker = await probe_worker(
-        store,
-        (
-            "CREATE TEMP TABLE gc_parent (k INTEGER PRIMARY KEY)",
-            "CREATE TEMP TABLE gc_child (p INTEGER REFERENCES gc_parent (k) DEFERRABLE INITIALLY DEFERRED)",
-        ),
-    )
+    worker = await probe_worker(store, _DEFERRED_FK_TABLES)
     seen: list[tuple[int, int]] = []
 
     def unit(i: int) -> Callable[[UnitContext], int]:
@@ -303,13 +304,7 @@ async def test_a_failed_commit_replays_the_group_one_by_one(store):
 
 @SQLITE_THREAD
 async def test_a_failed_commit_of_a_lone_unit_leaves_a_usable_connection(store):
-    worker = await probe_worker(
-        store,
-        (
-            "CREATE TEMP TABLE gc_parent (k INTEGER PRIMARY KEY)",
-            "CREATE TEMP TABLE gc_child (p INTEGER REFERENCES gc_parent (k) DEFERRABLE INITIALLY DEFERRED)",
-        ),
-    )
+    worker = await probe_worker(store, _DEFERRED_FK_TABLES)
 
     def bad(ctx: UnitContext) -> None:
         ctx.conn.exec_driver_sql("INSERT INTO gc_child (p) VALUES (999)")

@@ -39,6 +39,18 @@ _SSL_REQUEST = 80877103
 _GSSENC_REQUEST = 80877104
 
 
+def _take_message(buf: bytearray) -> tuple[str, bytes] | None:
+    """Remove one complete protocol message (type byte, length, body) from ``buf``; None if incomplete."""
+    if len(buf) < 5:
+        return None
+    (length,) = struct.unpack("!I", buf[1:5])
+    if len(buf) < 1 + length:
+        return None
+    kind, body = chr(buf[0]), bytes(buf[5 : 1 + length])
+    del buf[: 1 + length]
+    return kind, body
+
+
 @dataclass(eq=False)
 class WireConn:
     """One client connection: is it past its startup message, is it the LISTEN connection, the text
@@ -176,14 +188,10 @@ class WireCounter:
                 else:
                     stats.started_up = True
                 continue
-            if len(buf) < 5:
+            message = _take_message(buf)
+            if message is None:
                 return
-            kind = chr(buf[0])
-            (length,) = struct.unpack("!I", buf[1:5])
-            if len(buf) < 1 + length:
-                return
-            body = bytes(buf[5 : 1 + length])
-            del buf[: 1 + length]
+            kind, body = message
             if kind in "QPB":
                 if kind == "Q":
                     text = body.split(b"\0", 1)[0].decode()
@@ -206,13 +214,10 @@ class WireCounter:
                 del buf[:1]
                 single[0] -= 1
                 continue
-            if len(buf) < 5:
+            message = _take_message(buf)
+            if message is None:
                 return
-            kind = chr(buf[0])
-            (length,) = struct.unpack("!I", buf[1:5])
-            if len(buf) < 1 + length:
-                return
-            del buf[: 1 + length]
+            kind, _body = message
             if kind == "Z":
                 with self._lock:
                     self.log.append((stats, "Z", ""))
