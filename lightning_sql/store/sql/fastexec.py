@@ -17,6 +17,7 @@ as ``executemany``, or one ``execute`` per row with ``RETURNING``).
 
 from __future__ import annotations
 
+import json
 import keyword
 import threading
 from collections import namedtuple
@@ -24,10 +25,11 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection
+from sqlalchemy import JSON, Connection
 from sqlalchemy.exc import DBAPIError, MultipleResultsFound, NoResultFound
 from sqlalchemy.sql.compiler import SQLCompiler
 
+from lightning_sql.store.sql.schema import JsonValue
 from lightning_sql.store.sql.statements import is_prebuilt
 
 
@@ -168,12 +170,45 @@ def _plan_for(
     )
 
 
+# The C scanner that ``json.loads`` ends in, for ``_sqlite_json``.
+_scan_json = json.JSONDecoder().scan_once  # type: ignore[attr-defined]  # set in __init__
+
+
+def _sqlite_json(processor: Any) -> Any:
+    """SQLAlchemy's result processor of a JSON column on SQLite (``json.loads`` through three Python
+    frames, and numbers passed through), with a fast path straight into the C scanner for what the
+    store writes itself: compact JSON text.  Whatever else (surrounding whitespace, invalid text,
+    numbers, bytes) goes to ``processor``, which decodes or raises exactly as before."""
+
+    def process(value: Any) -> Any:
+        if value is None:
+            return None
+        try:
+            obj, end = _scan_json(value, 0)
+        except (StopIteration, TypeError, ValueError):
+            return processor(value)
+        return obj if end == len(value) else processor(value)
+
+    return process
+
+
+def _result_processor(conn: Connection, type_: Any, coltype: Any) -> Any:
+    processor = type_._cached_result_processor(conn.dialect, coltype)
+    if (
+        processor is not None
+        and conn.dialect.name == "sqlite"
+        and isinstance(type_, (JSON, JsonValue))  # JsonValue: JSON on SQLite, no processing of its own
+        and getattr(conn.dialect, "_json_deserializer", None) in (None, json.loads)
+    ):
+        return _sqlite_json(processor)
+    return processor
+
+
 def _result_processors(conn: Connection, plan: _Plan, description: Any) -> tuple[Any, ...] | None:
     if description is None or len(description) != len(plan.result_types):
         raise RuntimeError("fastexec: the driver described another result than the statement compiled to")
     procs = tuple(
-        type_._cached_result_processor(conn.dialect, col[1])
-        for type_, col in zip(plan.result_types, description, strict=True)
+        _result_processor(conn, type_, col[1]) for type_, col in zip(plan.result_types, description, strict=True)
     )
     plan.result_processors = procs if any(p is not None for p in procs) else None
     return plan.result_processors

@@ -30,6 +30,7 @@ from lightning_sql.store.sql.engine import (
     DatabaseTarget,
     IoWorker,
     SchemaUnit,
+    SqliteThreadWorker,
     UnitContext,
     acquire_worker,
     normalise_url,
@@ -326,7 +327,12 @@ class StoreInstance:
     ) -> T:
         """Run ``unit`` on the worker.  A read unit of the store runs without a transaction on
         PostgreSQL (``autocommit``: none relies on locks or ``SET LOCAL``) unless it asks for a
-        ``snapshot`` (one REPEATABLE READ READ ONLY transaction); SQLite reads in one transaction."""
+        ``snapshot`` (one REPEATABLE READ READ ONLY transaction); SQLite reads in one transaction,
+        on a SQLite file in the calling thread (``SqliteThreadWorker.read_inline``)."""
+        if not write and isinstance(worker, SqliteThreadWorker):
+            done, result = worker.read_inline(unit)
+            if done:
+                return result  # type: ignore[return-value]
         if isinstance(worker, AsyncLoopWorker) and not write:
             fut = worker.submit(
                 unit,

@@ -1,0 +1,238 @@
+"""The read hot path: SQLite reads in the caller's thread, models built without validation, JSON
+decoded straight by the C scanner.  Each must give exactly what the slower path gives."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import func, insert, select
+from sqlalchemy.exc import DBAPIError
+
+from lightning_sql import SqlLightningStore
+from lightning_sql.store.sql import engine as eng
+from lightning_sql.store.sql import fastexec
+from lightning_sql.store.sql import schema as s
+from lightning_sql.store.sql.rows import construct
+from lightning_sql.types import (
+    Attempt,
+    EnqueueRolloutRequest,
+    Event,
+    Link,
+    OtelResource,
+    Rollout,
+    Span,
+    SpanContext,
+    TraceStatus,
+)
+from tests.contract.test_spans import make_span
+
+
+def _state(model: Any) -> tuple[list[tuple[str, Any]], set[str], Any, Any]:
+    return (
+        list(model.__dict__.items()),  # values and their order (model_dump's key order)
+        model.__pydantic_fields_set__,
+        model.__pydantic_extra__,
+        model.__pydantic_private__,
+    )
+
+
+CONSTRUCT_CASES: list[tuple[type[Any], dict[str, Any]]] = [
+    (TraceStatus, {"status_code": "OK", "description": None}),
+    (TraceStatus, {"status_code": "ERROR"}),  # a defaulted field missing: model_construct's path
+    (TraceStatus, {"description": "d", "status_code": "OK", "vendor": 1}),  # another order, an extra
+    (SpanContext, {"trace_id": "t", "span_id": "s", "is_remote": False, "trace_state": {"a": "b"}}),
+    (Event, {"name": "e", "attributes": {"k": [1, 2]}, "timestamp": 1.5}),
+    (Link, {"context": SpanContext(trace_id="t", span_id="s", is_remote=True, trace_state={}), "attributes": None}),
+    (OtelResource, {"attributes": {"service.name": "x"}, "schema_url": ""}),
+    (Attempt, {"rollout_id": "r", "attempt_id": "a", "sequence_id": 1, "start_time": 1.0}),
+]
+
+
+@pytest.mark.parametrize(("cls", "values"), CONSTRUCT_CASES, ids=lambda v: getattr(v, "__name__", ""))
+def test_construct_builds_what_model_construct_builds(cls: type[Any], values: dict[str, Any]) -> None:
+    before = dict(values)
+    built = construct(cls, values)
+    expected = cls.model_construct(**values)
+    assert type(built) is cls
+    assert _state(built) == _state(expected)
+    assert built == expected and built.model_dump() == expected.model_dump()
+    assert values == before  # the caller's dict is not consumed
+    built.__pydantic_fields_set__.add("x")  # each model has a set of its own
+    assert "x" not in construct(cls, values).__pydantic_fields_set__
+
+
+def test_construct_of_a_span_with_extras_equals_validation() -> None:
+    span = make_span("r", "a", 1, vendor_field={"x": 1})
+    values = {**span.__dict__, **(span.model_extra or {})}
+    built = construct(Span, values)
+    assert _state(built) == _state(Span.model_construct(**values))
+    assert built == span and built.model_extra == {"vendor_field": {"x": 1}}
+    rollout = construct(Rollout, {**Rollout.model_construct(rollout_id="r", input=1).__dict__})
+    assert rollout.rollout_id == "r" and rollout.model_extra is None
+
+
+def test_sqlite_json_fast_path_decodes_and_fails_like_json_loads() -> None:
+    slow_calls: list[Any] = []
+
+    def slow(value: Any) -> Any:
+        slow_calls.append(value)
+        return json.loads(value)
+
+    process = fastexec._sqlite_json(slow)
+    for text in ['{"a":[1,2.5,null,"é"]}', "[]", '"s"', "3", "null"]:
+        assert process(text) == json.loads(text)
+    assert slow_calls == []  # compact text never takes the slow path
+    assert process(None) is None
+    assert process('  {"a": 1} ') == {"a": 1}  # surrounding whitespace: the slow path, same result
+    assert process(b'{"a": 1}') == {"a": 1}  # bytes: likewise
+    with pytest.raises(json.JSONDecodeError):
+        process('{"a": 1} x')  # trailing garbage is an error, as for json.loads
+    with pytest.raises(json.JSONDecodeError):
+        process("{")
+    assert len(slow_calls) == 4
+
+
+# --- inline reads -----------------------------------------------------------------------------
+
+
+async def _with_spans(store: SqlLightningStore, n: int = 3) -> list[str]:
+    await store.enqueue_many_rollouts([EnqueueRolloutRequest(input={"i": i}) for i in range(n)])
+    ids = []
+    for ar in await store.dequeue_many_rollouts(limit=n, worker_id="w"):
+        await store.add_many_spans([make_span(ar.rollout_id, ar.attempt.attempt_id, k) for k in (1, 2)])
+        ids.append(ar.rollout_id)
+    return ids
+
+
+def _worker(store: SqlLightningStore) -> Any:
+    worker = store._worker
+    assert worker is not None
+    return worker
+
+
+async def test_sqlite_file_reads_run_inline_and_match_the_thread(tmp_path: Path) -> None:
+    store = SqlLightningStore(f"sqlite:///{tmp_path / 's.db'}", run="r", clock_sync=False)
+    try:
+        ids = await _with_spans(store)
+        worker = _worker(store)
+        assert worker.inline_reads
+
+        async def reads() -> list[Any]:
+            return [
+                [(sp.rollout_id, sp.sequence_id, sp.model_dump()) for sp in await store.query_spans(ids[0], "latest")],
+                [r.model_dump() for r in await store.query_rollouts(status_in=["running"])],
+                (await store.get_rollout_by_id(ids[1])),
+                await store.get_latest_attempt(ids[2]),
+                await store.query_workers(),
+            ]
+
+        before = worker.inline_read_count
+        inline = await reads()
+        assert worker.inline_read_count - before == 5
+        worker.inline_reads = False
+        threaded = await reads()
+        assert worker.inline_read_count - before == 5  # none more ran inline
+        assert inline == threaded and len(inline[0]) == 2
+    finally:
+        await store.close()
+
+
+async def test_memory_and_write_units_never_run_inline(tmp_path: Path) -> None:
+    memory = SqlLightningStore("sqlite://", run="r", clock_sync=False)
+    try:
+        await _with_spans(memory)
+        assert not _worker(memory).inline_reads and _worker(memory).inline_read_count == 0
+    finally:
+        await memory.close()
+    store = SqlLightningStore(f"sqlite:///{tmp_path / 's.db'}", run="r", clock_sync=False)
+    try:
+        await _with_spans(store)  # enqueue, claim, add spans: writes only (and the sweeps before claims)
+        assert _worker(store).inline_read_count == 0
+    finally:
+        await store.close()
+
+
+async def test_an_inline_read_unit_cannot_write(tmp_path: Path) -> None:
+    store = SqlLightningStore(f"sqlite:///{tmp_path / 's.db'}", run="r", clock_sync=False)
+    try:
+        worker, run_id = await store._prepare()
+
+        def sneaky(ctx: Any) -> None:
+            ctx.conn.execute(insert(s.workers).values(run_id=run_id, worker_id="sneaky", status="idle"))
+
+        with pytest.raises(DBAPIError, match="readonly"):
+            await store._submit(worker, sneaky, write=False)
+        assert len(await store.query_workers()) == 0
+    finally:
+        await store.close()
+
+
+async def test_a_read_that_meets_a_lock_goes_to_the_writer_thread(tmp_path: Path) -> None:
+    """An inline reader has no busy timeout: a lock (or any error the writer thread's retries and
+    conversions handle) sends the unit to the writer thread instead of waiting on the caller's loop.
+    An error of the unit itself is raised at once, with no second try."""
+    store = SqlLightningStore(f"sqlite:///{tmp_path / 's.db'}", run="r", clock_sync=False)
+    try:
+        await _with_spans(store, 2)
+        worker, run_id = await store._prepare()
+        threads: list[str] = []
+
+        def locked_inline(ctx: Any) -> int:
+            threads.append(threading.current_thread().name)
+            if threading.current_thread() is threading.main_thread():
+                raise sqlite3.OperationalError("database is locked")
+            return int(ctx.execute(select(func.count()).select_from(s.rollouts)).scalar_one())
+
+        before = worker.inline_read_count
+        assert await store._submit(worker, locked_inline, write=False) == 2
+        assert threads[0] == "MainThread" and threads[1].startswith("lightning-sql-io")
+        assert worker.inline_read_count == before
+
+        def bad(ctx: Any) -> None:
+            threads.append(threading.current_thread().name)
+            raise KeyError("the unit's own error")
+
+        threads.clear()
+        with pytest.raises(KeyError):
+            await store._submit(worker, bad, write=False)
+        assert threads == ["MainThread"]
+        # The reader connection is usable after both failures (rolled back, not left in a transaction).
+        assert len(await store.query_rollouts()) == 2 and worker.inline_read_count == before + 1
+    finally:
+        await store.close()
+
+
+async def test_close_closes_the_reader_connections(tmp_path: Path) -> None:
+    store = SqlLightningStore(f"sqlite:///{tmp_path / 's.db'}", run="r", clock_sync=False)
+    await _with_spans(store, 1)
+    await store.query_rollouts()
+    await asyncio.to_thread(asyncio.run, store.query_rollouts())  # a reader in another thread too
+    worker = _worker(store)
+    assert len(worker._reader_engines) == 2
+    await store.close()
+    assert worker.closed and worker._reader_engines == []
+    worker._thread.join(5)  # the writer thread closes its own connection on its way out
+    # Every connection to the file is closed: an exclusive lock is possible at once.
+    locker = sqlite3.connect(tmp_path / "s.db", isolation_level=None, timeout=0)
+    locker.execute("PRAGMA locking_mode=EXCLUSIVE")
+    locker.execute("BEGIN EXCLUSIVE")
+    locker.rollback()
+    locker.close()
+
+
+def test_the_read_gate_turns_readers_away_while_a_fork_waits() -> None:
+    gate = eng._ReadGate()
+    assert gate.enter()
+    assert gate.close(0.01) is False  # one reader is still inside: fork waited and gave up
+    assert not gate.enter()  # closed: a new read goes to the writer thread
+    gate.leave()
+    assert gate.close(0.01) is True
+    gate.open()
+    assert gate.enter()
+    gate.leave()
