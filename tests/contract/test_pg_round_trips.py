@@ -27,7 +27,8 @@ from typing import Any
 import pytest
 from sqlalchemy import make_url, text
 
-from lightning_sql import RolloutConfig, SqlLightningStore
+from lightning_sql import EnqueueRolloutRequest, RolloutConfig, SqlLightningStore
+from lightning_sql.store.sql import engine as engine_module
 from lightning_sql.store.sql.check import check_invariants
 from lightning_sql.store.sql.engine import NOTIFY_CHANNEL, UnitContext
 from tests.conftest import PG_URL, BackendSpec
@@ -254,7 +255,9 @@ def _is_ping(statement: str) -> bool:
     return statement.strip() == ";"  # SQLAlchemy's asyncpg pre-ping
 
 
-async def test_a_read_costs_the_ping_and_its_statements(wire: tuple[WireCounter, str, str]) -> None:
+async def test_a_read_is_its_statements_with_a_ping_only_after_a_rest(
+    wire: tuple[WireCounter, str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     counter, url, schema = wire
     store = _open(url, schema)
     try:
@@ -262,17 +265,23 @@ async def test_a_read_costs_the_ping_and_its_statements(wire: tuple[WireCounter,
         for _ in range(3):  # warm: the pool's connection has prepared the statements
             assert await store.get_worker_by_id("w1") is not None
         per_call, seen = await _measure(counter, lambda i: store.get_worker_by_id("w1"), 20)
-        # No BEGIN/COMMIT (nor the BEGIN/ROLLBACK a pre-ping costs outside autocommit): only
-        # statements, each one round trip: the pre-ping and the SELECT.
+        # No BEGIN/COMMIT (nor the BEGIN/ROLLBACK a pre-ping costs outside autocommit), and no ping
+        # for a connection back in the pool a moment ago: the SELECT, one round trip.
         assert seen.queries == []
         assert seen.parses == []
+        assert not any(_is_ping(st) for st in seen.statements)
+        assert per_call == 1, seen
+        # A connection that rested longer than PG_PRE_PING_IDLE_S is pinged first (one round trip).
+        monkeypatch.setattr(engine_module, "PG_PRE_PING_IDLE_S", 0.0)
+        per_call, seen = await _measure(counter, lambda i: store.get_worker_by_id("w1"), 20)
+        assert seen.queries == []
         assert [_is_ping(st) for st in seen.statements] == [True, False] * 20
         assert per_call == 2, seen
     finally:
         await store.close()
 
 
-async def test_a_write_is_one_transaction_after_a_one_round_trip_ping(wire: tuple[WireCounter, str, str]) -> None:
+async def test_a_write_is_one_transaction(wire: tuple[WireCounter, str, str]) -> None:
     counter, url, schema = wire
     store = _open(url, schema)
     try:
@@ -282,11 +291,61 @@ async def test_a_write_is_one_transaction_after_a_one_round_trip_ping(wire: tupl
         begins = [q for q in seen.queries if q.upper().startswith("BEGIN")]
         assert len(begins) == 20 and all("READ ONLY" not in q.upper() for q in begins), seen.queries
         assert [q for q in seen.queries if not q.upper().startswith("BEGIN")] == ["COMMIT;"] * 20
-        pings = [st for st in seen.statements if _is_ping(st)]
-        assert len(pings) == 20
-        # Round trips: the ping, BEGIN, the unit's statements, COMMIT; nothing else.
+        assert not any(_is_ping(st) for st in seen.statements)  # the connection rested a moment only
+        # Round trips: BEGIN, the unit's statements, COMMIT; nothing else.
         assert seen.ready == len(seen.statements) + 2 * 20, seen
-        assert per_call == 3 + (len(seen.statements) - 20) / 20  # ping, BEGIN, COMMIT + statements
+        assert per_call == 2 + len(seen.statements) / 20  # BEGIN, COMMIT + statements
+    finally:
+        await store.close()
+
+
+async def test_reserving_sequence_ids_of_one_rollout_is_one_statement(wire: tuple[WireCounter, str, str]) -> None:
+    """The tracer's reservation (one rollout): one UPDATE ... RETURNING, no BEGIN or COMMIT; pairs
+    of several rollouts stay one transaction (an unknown rollout among them changes nothing)."""
+    counter, url, schema = wire
+    store = _open(url, schema)
+    try:
+        await store.enqueue_many_rollouts([EnqueueRolloutRequest(input={"i": i}) for i in range(2)])
+        first = await store.dequeue_rollout(worker_id="w1")
+        second = await store.dequeue_rollout(worker_id="w1")
+        assert first is not None and second is not None
+        one = (first.rollout_id, first.attempt.attempt_id)
+        for _ in range(3):
+            await store.get_many_span_sequence_ids([one] * 4)
+        per_call, seen = await _measure(counter, lambda i: store.get_many_span_sequence_ids([one] * 4), 10)
+        assert seen.queries == [] and per_call == 1, seen
+        assert list(await store.get_many_span_sequence_ids([one] * 2)) == [53, 54]  # (3 + 10) * 4 reserved before
+        two = (second.rollout_id, second.attempt.attempt_id)
+        per_call, seen = await _measure(counter, lambda i: store.get_many_span_sequence_ids([one, two]), 1)
+        assert [q.split()[0] for q in seen.queries] == ["BEGIN", "COMMIT;"], seen.queries
+        with pytest.raises(ValueError, match="not found"):
+            await store.get_many_span_sequence_ids([two, ("missing", "a")])
+        assert list(await store.get_many_span_sequence_ids([two])) == [2]  # the failed call reserved nothing
+    finally:
+        await store.close()
+
+
+async def test_a_claim_is_one_statement_without_a_transaction(wire: tuple[WireCounter, str, str]) -> None:
+    """dequeue: ONE statement (rollout, attempt and worker row together), no BEGIN or COMMIT; an
+    empty queue adds the idle marking, also without a transaction."""
+    counter, url, schema = wire
+    store = _open(url, schema)
+    try:
+        await store.enqueue_many_rollouts([EnqueueRolloutRequest(input={"i": i}) for i in range(23)])
+        for _ in range(3):
+            assert await store.dequeue_rollout(worker_id="w1") is not None
+        per_call, seen = await _measure(counter, lambda i: store.dequeue_rollout(worker_id="w1"), 20)
+        assert seen.queries == [] and seen.parses == [], seen
+        assert not any(_is_ping(st) for st in seen.statements)
+        assert per_call == 1, seen
+        worker = await store.get_worker_by_id("w1")
+        assert worker is not None and worker.status == "busy" and worker.current_rollout_id is not None
+        latest = await store.get_latest_attempt(worker.current_rollout_id)
+        assert latest is not None and latest.attempt_id == worker.current_attempt_id
+        assert await store.dequeue_rollout(worker_id="w1") is None
+        per_call, seen = await _measure(counter, lambda i: store.dequeue_rollout(worker_id="w1"), 5)
+        assert seen.queries == [] and per_call == 2, seen  # the claim (nothing) and the idle marking
+        assert (await store.get_worker_by_id("w1")).status == "idle"  # type: ignore[union-attr]
     finally:
         await store.close()
 
@@ -364,14 +423,20 @@ async def test_read_units_see_one_transaction_per_statement_and_snapshots_one_fo
         await store.close()
 
 
-@pytest.mark.parametrize("pre_ping", [True, False])
-async def test_a_read_on_a_dropped_connection_is_retried(wire: tuple[WireCounter, str, str], pre_ping: bool) -> None:
+@pytest.mark.parametrize("ping", ["after-a-rest", "recently-used", "off"])
+async def test_a_read_on_a_dropped_connection_is_retried(
+    wire: tuple[WireCounter, str, str], ping: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Without a transaction a read still replays after a lost connection (and finds a new one).
 
-    With the pre-ping the checkout notices the dead connection and opens another; without it the
-    read's first statement fails and the worker replays the unit (``ctx.attempt`` 1)."""
+    When the checkout pings (the connection rested longer than PG_PRE_PING_IDLE_S) it notices the
+    dead connection and opens another; when it does not (a connection used a moment ago, or
+    ``pool_pre_ping=False``) the read's first statement fails and the worker replays the unit
+    (``ctx.attempt`` 1)."""
     counter, url, schema = wire
-    store = _open(url, schema, pool_pre_ping=pre_ping)
+    if ping == "after-a-rest":
+        monkeypatch.setattr(engine_module, "PG_PRE_PING_IDLE_S", 0.01)
+    store = _open(url, schema, pool_pre_ping=ping != "off")
     tries: list[int] = []
 
     def read(ctx: UnitContext) -> int:
@@ -387,7 +452,7 @@ async def test_a_read_on_a_dropped_connection_is_retried(wire: tuple[WireCounter
             counter.drop_all()
             await asyncio.sleep(0.05)
             assert await store._submit(worker, read, write=False) == 1
-            assert tries == ([0] if pre_ping else [0, 1])
+            assert tries == ([0] if ping == "after-a-rest" else [0, 1])
             assert (await store.get_worker_by_id("w1")) is not None
             assert (await store.update_worker("w1")).worker_id == "w1"
     finally:

@@ -143,6 +143,31 @@ async def test_sqlite_file_reads_run_inline_and_match_the_thread(tmp_path: Path)
         await store.close()
 
 
+async def test_an_inline_read_still_lets_the_loops_other_tasks_run(tmp_path: Path) -> None:
+    """A read that ran inline is still a suspension point: a loop polling with reads does not
+    starve its neighbours (it used to yield while the I/O thread worked)."""
+    store = SqlLightningStore(f"sqlite:///{tmp_path / 's.db'}", run="r", clock_sync=False)
+    try:
+        await _with_spans(store, 1)
+        ticks = 0
+
+        async def neighbour() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(neighbour())
+        before = _worker(store).inline_read_count
+        for _ in range(20):
+            await store.query_rollouts()
+        assert _worker(store).inline_read_count - before == 20  # all inline...
+        assert ticks >= 19  # ...and the neighbour ran between them
+        task.cancel()
+    finally:
+        await store.close()
+
+
 async def test_memory_and_write_units_never_run_inline(tmp_path: Path) -> None:
     memory = SqlLightningStore("sqlite://", run="r", clock_sync=False)
     try:

@@ -29,6 +29,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from lightning_sql.store.sql import schema as s
 from lightning_sql.store.sql.engine import UnitContext
+from lightning_sql.store.sql.statements import cached
 
 
 def insert(ctx: UnitContext | str, table: Table) -> Any:
@@ -96,17 +97,20 @@ def claim_in_one_statement(
 
     One statement of data-modifying CTEs: the lowest ``queue_seq`` rows (``FOR UPDATE SKIP
     LOCKED``) become ``preparing`` and leave the queue, and each gets its attempt, the i-th picked
-    rollout the i-th attempt id.  Rows come back in queue order with the ``returning`` columns of the
-    rollout plus ``attempt_count`` (= the attempt's ``sequence_id``) and ``attempt_id``.  Returns None
-    on SQLite, where writers are serialised and a statement costs no round trip: the caller runs the
-    plain steps.
+    rollout the i-th attempt id; with a (non-empty) ``worker_id`` the worker row is upserted busy on
+    the last claimed attempt, as ``workers.sync_worker(..., claim=True)`` does.  Rows come back in
+    queue order with the ``returning`` columns of the rollout plus ``attempt_count`` (= the attempt's
+    ``sequence_id``) and ``attempt_id``.  Being one statement, it is atomic without a transaction.
+    Returns None on SQLite, where writers are serialised and a statement costs no round trip: the
+    caller runs the plain steps.
     """
     if ctx.dialect != "postgresql":
         return None
-    key = tuple(c.name for c in returning)
-    stmt = _CLAIM_STATEMENTS.get(key)
-    if stmt is None:
-        stmt = _CLAIM_STATEMENTS[key] = _claim_statement(returning)
+    columns = tuple(c.name for c in returning)
+    stmt = cached(
+        ("claim_one_statement", columns, bool(worker_id)),
+        lambda: _claim_statement(returning, with_worker=bool(worker_id)),
+    )
     params = {
         "claim_run_id": run_id,
         "claim_limit": len(attempt_ids),
@@ -117,11 +121,11 @@ def claim_in_one_statement(
     return list(ctx.execute(stmt, params).all())
 
 
-# Built once per column list: constructing this statement costs more Python than running it.
-_CLAIM_STATEMENTS: dict[tuple[str, ...], Any] = {}
+# The worker columns a claim sets (workers._BUSY_CLAIM); an existing row keeps every other column.
+_CLAIM_WORKER_COLUMNS = ("status", "last_busy_time", "current_rollout_id", "current_attempt_id", "last_dequeue_time")
 
 
-def _claim_statement(returning: Sequence[Any]) -> Any:
+def _claim_statement(returning: Sequence[Any], *, with_worker: bool) -> Any:
     R, A = s.rollouts, s.attempts
     run_id = bindparam("claim_run_id", type_=Integer)
     picked = (
@@ -162,8 +166,33 @@ def _claim_statement(returning: Sequence[Any]) -> Any:
         .returning(A.c.rollout_id, A.c.attempt_id)
         .cte("inserted")
     )
-    return (
+    stmt = (
         select(ranked, inserted.c.attempt_id)
         .join_from(ranked, inserted, inserted.c.rollout_id == ranked.c.rollout_id)
         .order_by(ranked.c.pos)
     )
+    if not with_worker:
+        return stmt
+    W = s.workers
+    now = bindparam("claim_now", type_=Float(precision=53))
+    last_claimed = (
+        select(
+            run_id,
+            bindparam("claim_worker_id", type_=Text),
+            s.position_seq.next_value(),
+            literal("busy", Text),
+            now,
+            ranked.c.rollout_id,
+            inserted.c.attempt_id,
+            now,
+        )
+        .join_from(ranked, inserted, inserted.c.rollout_id == ranked.c.rollout_id)
+        .order_by(ranked.c.pos.desc())
+        .limit(1)
+    )
+    upsert = postgresql.insert(W).from_select(["run_id", "worker_id", "create_seq", *_CLAIM_WORKER_COLUMNS], last_claimed)
+    upsert = upsert.on_conflict_do_update(
+        index_elements=[W.c.run_id, W.c.worker_id], set_={col: upsert.excluded[col] for col in _CLAIM_WORKER_COLUMNS}
+    )
+    # A data-modifying CTE runs to completion whether or not the outer query reads it.
+    return stmt.add_cte(upsert.returning(W.c.worker_id).cte("worker_sync"))

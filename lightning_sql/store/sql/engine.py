@@ -19,6 +19,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -34,7 +35,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from sqlalchemy import URL, Connection, Engine, create_engine, event, make_url, text
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import DBAPIError, DisconnectionError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import StaticPool
 
@@ -51,6 +52,11 @@ SQLITE_DATA_VERSION_POLL_S = 0.05  # how fast another process's commit wakes a w
 PG_POOL_SIZE = 10  # concurrent units per process; claims and span writes overlap on PostgreSQL
 PG_MAX_OVERFLOW = 10
 PG_LISTEN_RECONNECT_S = 1.0  # how soon a lost LISTEN connection is re-established
+# With pool_pre_ping (the default), a connection is pinged on checkout only when it rested in the pool
+# longer than this: one that answered a moment ago almost surely still does, and a unit that meets a
+# dead one anyway is replayed on a new connection (units are retry-safe), so the ping round trip is
+# spent only where it is likely to find something.
+PG_PRE_PING_IDLE_S = 1.0
 FORK_QUIESCE_TIMEOUT_S = 2.0  # how long fork() waits for an I/O thread to leave SQLite
 RETRY_BASE_DELAY_S = 0.01  # first back-off after a transient error; doubles up to the cap
 RETRY_MAX_DELAY_S = 1.0
@@ -798,6 +804,44 @@ class SchemaUnit:
         raise NotImplementedError
 
 
+def _settle_from_task(fut: concurrent.futures.Future[Any], task: asyncio.Task[Any]) -> None:
+    """Copy a finished task's outcome to the caller's future (as ``run_coroutine_threadsafe`` does)."""
+    if task.cancelled():
+        fut.cancel()
+    if not fut.set_running_or_notify_cancel():
+        return
+    exc = task.exception()
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(task.result())
+
+
+def _ping_idle_connections(engine: Engine) -> None:
+    """``pool_pre_ping`` for connections that rested in the pool over ``PG_PRE_PING_IDLE_S``.
+
+    The ping is the dialect's own (one round trip on asyncpg); a connection that fails it is
+    discarded and the pool checks out another (SQLAlchemy's pessimistic disconnect handling)."""
+
+    @event.listens_for(engine, "connect")
+    @event.listens_for(engine, "checkin")
+    def _rested_since(_dbapi_conn: Any, record: Any) -> None:
+        if record is not None:
+            record.info["lightning_sql_checkin"] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _ping_if_idle(dbapi_conn: Any, record: Any, _proxy: Any) -> None:
+        since = record.info.get("lightning_sql_checkin")
+        if since is not None and time.monotonic() - since < PG_PRE_PING_IDLE_S:
+            return
+        try:
+            alive = engine.dialect.do_ping(dbapi_conn)
+        except Exception as exc:  # noqa: BLE001 - any failure means "not alive"
+            raise DisconnectionError(f"pre-ping failed: {type(exc).__name__}") from exc
+        if not alive:
+            raise DisconnectionError("pre-ping failed")
+
+
 class AsyncLoopWorker(IoWorker):
     """A thread running its own event loop that owns an async engine (asyncpg or aiosqlite).
 
@@ -811,7 +855,10 @@ class AsyncLoopWorker(IoWorker):
       it would have seen in a transaction; it must not rely on row locks, ``SET LOCAL``/
       ``set_config(..., true)`` or on writing atomically (the store's read units do none of these);
     * ``write=False, snapshot=True``: one REPEATABLE READ READ ONLY transaction (the checker);
-    * ``write=False`` alone: one transaction, as for writes (callers that submit their own units).
+    * ``write=False`` alone: one transaction, as for writes (callers that submit their own units);
+    * ``write=True, autocommit=True``: no transaction either, for a write unit each of whose
+      statements is atomic and replay-safe on its own (the claim: one statement of CTEs), which
+      saves the BEGIN and COMMIT round trips.
 
     On aiosqlite every unit is one transaction (``BEGIN IMMEDIATE`` for writes) whatever the flags.
     """
@@ -835,6 +882,9 @@ class AsyncLoopWorker(IoWorker):
         self._listener_task: asyncio.Task[None] | None = None
         self._schema_alock: asyncio.Lock | None = None
         self._poll_task: asyncio.Task[None] | None = None
+        self._inbox: list[Any] = []  # submitted units not started yet (submit / _start_submitted)
+        self._inbox_lock = threading.Lock()
+        self._running: set[asyncio.Task[Any]] = set()  # the loop keeps only weak references to tasks
         self._thread = threading.Thread(
             target=self._main, name=f"lightning-sql-io[{target.masked}]", daemon=True
         )
@@ -870,15 +920,22 @@ class AsyncLoopWorker(IoWorker):
             kwargs: dict[str, Any] = {
                 "pool_size": opts.pop("pool_size", PG_POOL_SIZE),
                 "max_overflow": opts.pop("max_overflow", PG_MAX_OVERFLOW),
-                "pool_pre_ping": opts.pop("pool_pre_ping", True),
             }
+            pre_ping = bool(opts.pop("pool_pre_ping", True))
             for key in ("pool_timeout", "pool_recycle", "connect_args"):
                 if key in opts:
                     kwargs[key] = opts.pop(key)
             # Connections rest in autocommit: a unit that wants a transaction says so (_once).
             engine = create_async_engine(
-                self.target.url, json_serializer=_json_serializer, echo=echo, isolation_level="AUTOCOMMIT", **kwargs
+                self.target.url,
+                json_serializer=_json_serializer,
+                json_deserializer=fastexec.loads_json,
+                echo=echo,
+                isolation_level="AUTOCOMMIT",
+                **kwargs,
             )
+            if pre_ping:
+                _ping_idle_connections(engine.sync_engine)
             if self.schema is not None:
                 engine = engine.execution_options(schema_translate_map={None: self.schema})
             return engine
@@ -911,9 +968,9 @@ class AsyncLoopWorker(IoWorker):
         autocommit: bool = False,
         snapshot: bool = False,
     ) -> concurrent.futures.Future[T]:
-        """Run ``unit`` on the loop; ``autocommit``/``snapshot`` only for reads (see the class doc)."""
-        if write and (autocommit or snapshot):
-            raise ValueError("autocommit and snapshot are for read units (write=False)")
+        """Run ``unit`` on the loop; ``snapshot`` only for reads (see the class doc)."""
+        if write and snapshot:
+            raise ValueError("a snapshot is for read units (write=False)")
         if autocommit and snapshot:
             raise ValueError("a snapshot is a transaction: autocommit and snapshot exclude each other")
         if self.closed:
@@ -923,7 +980,32 @@ class AsyncLoopWorker(IoWorker):
         isolation = None
         if self.target.kind == "postgresql":
             isolation = self._PG_AUTOCOMMIT if autocommit else self._PG_SNAPSHOT if snapshot else self._PG_TRANSACTION
-        return asyncio.run_coroutine_threadsafe(self._run_unit(unit, write, deadline_s, isolation), self._loop)
+        fut = concurrent.futures.Future()
+        with self._inbox_lock:
+            self._inbox.append((unit, write, deadline_s, isolation, fut))
+            first = len(self._inbox) == 1
+        if first:
+            # One wake-up of the loop per burst of submissions (each is a self-pipe write and a GIL
+            # hand-over); the units of a burst start together in _start_submitted.
+            try:
+                self._loop.call_soon_threadsafe(self._start_submitted)
+            except RuntimeError as exc:  # the loop is closed: fail what waits in the inbox
+                with self._inbox_lock:
+                    items, self._inbox = self._inbox, []
+                for item in items:
+                    item[4].set_exception(RuntimeError(f"The store's I/O thread is closed ({exc})"))
+        return fut
+
+    def _start_submitted(self) -> None:
+        with self._inbox_lock:
+            items, self._inbox = self._inbox, []
+        for unit, write, deadline_s, isolation, fut in items:
+            if fut.cancelled():
+                continue
+            task = self._loop.create_task(self._run_unit(unit, write, deadline_s, isolation))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+            task.add_done_callback(functools.partial(_settle_from_task, fut))
 
     def close(self) -> None:
         if self.closed:

@@ -170,8 +170,19 @@ def _plan_for(
     )
 
 
-# The C scanner that ``json.loads`` ends in, for ``_sqlite_json``.
+# The C scanner that ``json.loads`` ends in, for ``_sqlite_json`` and ``loads_json``.
 _scan_json = json.JSONDecoder().scan_once  # type: ignore[attr-defined]  # set in __init__
+
+
+def loads_json(text: str) -> Any:
+    """``json.loads(text)``, straight into the C scanner for compact JSON text (the engines'
+    ``json_deserializer``: PostgreSQL's JSONB arrives as such text); anything else, and every error,
+    goes through ``json.loads`` itself."""
+    try:
+        obj, end = _scan_json(text, 0)
+    except (StopIteration, TypeError, ValueError):
+        return json.loads(text)
+    return obj if end == len(text) else json.loads(text)
 
 
 def _sqlite_json(processor: Any) -> Any:

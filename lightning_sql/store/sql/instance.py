@@ -323,20 +323,30 @@ class StoreInstance:
             return self._worker
 
     async def _submit(
-        self, worker: IoWorker, unit: Callable[[UnitContext], T], *, write: bool, snapshot: bool = False
+        self,
+        worker: IoWorker,
+        unit: Callable[[UnitContext], T],
+        *,
+        write: bool,
+        snapshot: bool = False,
+        autocommit: bool = False,
     ) -> T:
         """Run ``unit`` on the worker.  A read unit of the store runs without a transaction on
         PostgreSQL (``autocommit``: none relies on locks or ``SET LOCAL``) unless it asks for a
         ``snapshot`` (one REPEATABLE READ READ ONLY transaction); SQLite reads in one transaction,
-        on a SQLite file in the calling thread (``SqliteThreadWorker.read_inline``)."""
+        on a SQLite file in the calling thread (``SqliteThreadWorker.read_inline``).  A write unit
+        runs in one transaction unless it says ``autocommit`` (honoured on PostgreSQL only)."""
         if not write and isinstance(worker, SqliteThreadWorker):
             done, result = worker.read_inline(unit)
             if done:
+                # Still a suspension point, as when the unit went to the I/O thread: a caller that
+                # polls in a loop must not starve the other tasks of its event loop.
+                await asyncio.sleep(0)
                 return result  # type: ignore[return-value]
-        if isinstance(worker, AsyncLoopWorker) and not write:
+        if isinstance(worker, AsyncLoopWorker) and (not write or autocommit):
             fut = worker.submit(
                 unit,
-                write=False,
+                write=write,
                 deadline_s=self.connect_deadline_seconds,
                 autocommit=not snapshot,
                 snapshot=snapshot,
@@ -393,8 +403,11 @@ class StoreInstance:
         *,
         write: bool,
         sweeps: bool = False,
+        autocommit: bool = False,
     ) -> T:
-        """Run one unit for the bound run; ``unit(ctx, run_id, now)``."""
+        """Run one unit for the bound run; ``unit(ctx, run_id, now)``.  ``autocommit``: a write unit
+        whose statements are each atomic and replay-safe on their own (PostgreSQL runs it without a
+        transaction; see ``AsyncLoopWorker``)."""
         if write:
             self._check_writable(method)
         worker, run_id = await self._prepare()
@@ -402,7 +415,7 @@ class StoreInstance:
         if sweeps:
             await self._maybe_sweep(worker, run_id)
         now = self.now()
-        return await self._submit(worker, lambda ctx: unit(ctx, run_id, now), write=write)
+        return await self._submit(worker, lambda ctx: unit(ctx, run_id, now), write=write, autocommit=autocommit)
 
     def _sweep_due(self) -> bool:
         if self.read_only:

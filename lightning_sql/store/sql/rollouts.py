@@ -309,16 +309,22 @@ def _attempt(ctx: UnitContext, run_id: int, rollout_id: str, attempt_id: str) ->
 def claim(
     ctx: UnitContext, run_id: int, now: float, attempt_ids: Sequence[str], worker_id: str | None
 ) -> list[AttemptedRollout]:
-    """Claim up to ``len(attempt_ids)`` queued rollouts in queue order (one transaction)."""
+    """Claim up to ``len(attempt_ids)`` queued rollouts in queue order.
+
+    Every statement here is atomic and replay-safe on its own, so PostgreSQL runs this unit without
+    a transaction (``autocommit``, see ``AsyncLoopWorker``): there the claim is one statement
+    (rollouts, attempts and the worker row), an empty queue's idle marking another, and a replay
+    first looks for its own attempts.  SQLite runs it in one transaction, as every write."""
     limit = len(attempt_ids)
     out: list[AttemptedRollout] = []
+    synced = False  # the claim statement itself synced the worker (PostgreSQL)
     if limit > 0:
         # Only a replay can find its own attempts (the ids are fresh per call): skip the look-up on
         # the first try.
         out = _replayed_claim(ctx, run_id, attempt_ids) if ctx.attempt > 0 else []
         if not out:
-            out = _claim_fresh(ctx, run_id, now, attempt_ids, worker_id)
-    if out and worker_id:  # upstream's worker sync skips a falsy id...
+            out, synced = _claim_fresh(ctx, run_id, now, attempt_ids, worker_id)
+    if out and worker_id and not synced:  # upstream's worker sync skips a falsy id...
         last = out[-1]
         sync_worker(ctx, run_id, now, worker_id, "preparing", last.rollout_id, last.attempt.attempt_id, claim=True)
     elif not out and worker_id is not None:  # ...but its empty-queue idle marking does not
@@ -345,10 +351,11 @@ def _replayed_claim(ctx: UnitContext, run_id: int, attempt_ids: Sequence[str]) -
 
 def _claim_fresh(
     ctx: UnitContext, run_id: int, now: float, attempt_ids: Sequence[str], worker_id: str | None
-) -> list[AttemptedRollout]:
+) -> tuple[list[AttemptedRollout], bool]:
+    """The claimed rollouts, and whether the worker row was synced with them."""
     one_trip = d.claim_in_one_statement(ctx, run_id, now, attempt_ids, worker_id, ROLLOUT_COLUMNS)
     if one_trip is not None:
-        return [_attempted_claim(row, row.attempt_id, now, worker_id) for row in one_trip]
+        return [_attempted_claim(row, row.attempt_id, now, worker_id) for row in one_trip], True
     picked = cached(
         ("claim_pick", ctx.dialect),
         lambda: d.for_update(
@@ -362,7 +369,7 @@ def _claim_fresh(
     )
     ids = [row[0] for row in ctx.execute(picked, {"c_run_id": run_id, "c_limit": len(attempt_ids)})]
     if not ids:
-        return []
+        return [], False
     # One claimed row (the common case) compares with = : an expanding IN is compiled again per call.
     single = len(ids) == 1
     mark = cached(
@@ -399,7 +406,7 @@ def _claim_fresh(
         )
         result.append(_attempted_claim(row, aid, now, worker_id))
     ctx.execute(cached("attempt_insert", A.insert), attempt_rows)
-    return result
+    return result, False
 
 
 def _attempted_claim(row: Any, attempt_id: str, now: float, worker_id: str | None) -> AttemptedRollout:
@@ -453,11 +460,20 @@ def _update_where(table: Any, keys: tuple[str, ...], cols: tuple[str, ...]) -> A
     )
 
 
-def _update_row(ctx: UnitContext, table: Any, keys: dict[str, Any], values: dict[str, Any]) -> None:
-    """Write ``values`` into the row named by ``keys`` through a prebuilt statement."""
+def _update_row(
+    ctx: UnitContext, table: Any, keys: dict[str, Any], values: dict[str, Any], *, returning: bool = False
+) -> Any:
+    """Write ``values`` into the row named by ``keys`` through a prebuilt statement; with
+    ``returning``, the updated row (every column) or None, in the same statement."""
     key_names, cols = tuple(keys), tuple(values)
-    stmt = cached(("update_row", table.name, key_names, cols), lambda: _update_where(table, key_names, cols))
-    ctx.execute(stmt, {**{f"u_{k}": v for k, v in keys.items()}, **{f"u_{c}": v for c, v in values.items()}})
+    stmt = cached(
+        ("update_row", table.name, key_names, cols, returning),
+        lambda: _update_where(table, key_names, cols).returning(*table.c)
+        if returning
+        else _update_where(table, key_names, cols),
+    )
+    result = ctx.execute(stmt, {**{f"u_{k}": v for k, v in keys.items()}, **{f"u_{c}": v for c, v in values.items()}})
+    return result.first() if returning else None
 
 
 def start_attempt(
@@ -578,10 +594,10 @@ def update_attempt(
     if changes.get("status") in ("failed", "succeeded"):
         values["end_time"] = now
     aid = attempt_row.attempt_id
-    if values:
-        _update_row(ctx, A, {"run_id": run_id, "rollout_id": rollout_id, "attempt_id": aid}, values)
-    new_attempt = _attempt(ctx, run_id, rollout_id, aid)
-    assert new_attempt is not None
+    keys = {"run_id": run_id, "rollout_id": rollout_id, "attempt_id": aid}
+    new_row = _update_row(ctx, A, keys, values, returning=True) if values else attempt_row
+    assert new_row is not None  # locked above
+    new_attempt = attempt_from_row(new_row)
     if "status" in changes and attempt_row.sequence_id == row.attempt_count and row.status != "cancelled":
         config = RolloutConfig.model_construct(
             timeout_seconds=row.timeout_seconds,

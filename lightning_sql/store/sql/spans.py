@@ -53,12 +53,29 @@ def _set_span_seq(ctx: UnitContext, run_id: int, rollout_id: str, value: int) ->
 
 
 def reserve_sequence_ids(ctx: UnitContext, run_id: int, pairs: Sequence[tuple[str, str]]) -> list[int]:
-    """Reserve one sequence id per (rollout, attempt) pair, handed out in input order."""
+    """Reserve one sequence id per (rollout, attempt) pair, handed out in input order.
+
+    Pairs of one rollout (the tracer's case) take ONE statement, atomic on its own (so PostgreSQL
+    may run this unit without a transaction: see ``SqlLightningStore.get_many_span_sequence_ids``);
+    several rollouts lock them all first, so that an unknown one changes nothing."""
     if not pairs:
         return []
     counts: dict[str, int] = {}
     for rid, _aid in pairs:
         counts[rid] = counts.get(rid, 0) + 1
+    if len(counts) == 1:
+        ((rid, count),) = counts.items()
+        bump = cached(
+            "span_bump_counter",
+            lambda: update(R)
+            .where(R.c.run_id == bindparam("s_run_id"), R.c.rollout_id == bindparam("s_rollout_id"))
+            .values(span_seq=R.c.span_seq + bindparam("s_count"))
+            .returning(R.c.span_seq),
+        )
+        end = ctx.execute(bump, {"s_run_id": run_id, "s_rollout_id": rid, "s_count": count}).scalar_one_or_none()
+        if end is None:
+            raise ValueError(f"Rollout {rid} not found")
+        return list(range(int(end) - count + 1, int(end) + 1))
     locked = _lock_rollouts(ctx, run_id, list(counts))
     for rid in counts:
         if rid not in locked:

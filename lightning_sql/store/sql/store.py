@@ -230,6 +230,7 @@ class SqlLightningStore(StoreInstance, LightningStore):
             lambda ctx, run_id, now: ro.claim(ctx, run_id, now, attempt_ids, worker_id),
             write=True,
             sweeps=True,
+            autocommit=True,  # each statement of a claim is atomic and replay-safe (ro.claim)
         )
 
     async def start_attempt(self, rollout_id: str, worker_id: str | None = None) -> AttemptedRollout:
@@ -608,6 +609,7 @@ class SqlLightningStore(StoreInstance, LightningStore):
             "get_many_span_sequence_ids",
             lambda ctx, run_id, now: span_units.reserve_sequence_ids(ctx, run_id, pairs),
             write=True,
+            autocommit=len({rid for rid, _aid in pairs}) == 1,  # one statement (reserve_sequence_ids)
         )
 
     async def query_spans(
