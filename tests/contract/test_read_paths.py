@@ -21,14 +21,17 @@ from lightning_sql.store.sql import schema as s
 from lightning_sql.store.sql.rows import construct
 from lightning_sql.types import (
     Attempt,
+    AttemptedRollout,
     EnqueueRolloutRequest,
     Event,
     Link,
     OtelResource,
     Rollout,
+    RolloutConfig,
     Span,
     SpanContext,
     TraceStatus,
+    Worker,
 )
 from tests.contract.test_spans import make_span
 
@@ -51,6 +54,22 @@ CONSTRUCT_CASES: list[tuple[type[Any], dict[str, Any]]] = [
     (Link, {"context": SpanContext(trace_id="t", span_id="s", is_remote=True, trace_state={}), "attributes": None}),
     (OtelResource, {"attributes": {"service.name": "x"}, "schema_url": ""}),
     (Attempt, {"rollout_id": "r", "attempt_id": "a", "sequence_id": 1, "start_time": 1.0}),
+    (
+        Attempt,
+        {
+            "rollout_id": "r",
+            "attempt_id": "a",
+            "sequence_id": 1,
+            "start_time": 1.0,
+            "end_time": None,
+            "status": "running",
+            "worker_id": "w",
+            "last_heartbeat_time": 2.0,
+            "metadata": {"k": 1},
+        },
+    ),
+    (RolloutConfig, {"timeout_seconds": None, "unresponsive_seconds": 3.0, "max_attempts": 2, "retry_condition": []}),
+    (Worker, {"worker_id": "w", "status": "idle"}),
 ]
 
 
@@ -73,8 +92,12 @@ def test_construct_of_a_span_with_extras_equals_validation() -> None:
     built = construct(Span, values)
     assert _state(built) == _state(Span.model_construct(**values))
     assert built == span and built.model_extra == {"vendor_field": {"x": 1}}
-    rollout = construct(Rollout, {**Rollout.model_construct(rollout_id="r", input=1).__dict__})
-    assert rollout.rollout_id == "r" and rollout.model_extra is None
+    rollout = Rollout.model_construct(rollout_id="r", input=1)
+    built_rollout = construct(Rollout, dict(rollout.__dict__))
+    assert _state(built_rollout) == _state(Rollout.model_construct(**rollout.__dict__))
+    attempt = Attempt(rollout_id="r", attempt_id="a", sequence_id=1, start_time=1.0)
+    full = {**rollout.__dict__, "attempt": attempt}
+    assert _state(construct(AttemptedRollout, full)) == _state(AttemptedRollout.model_construct(**full))
 
 
 def test_sqlite_json_fast_path_decodes_and_fails_like_json_loads() -> None:

@@ -106,11 +106,14 @@ def _mapping(row: Any) -> Any:
 
 
 def config_from(m: Any) -> RolloutConfig:
-    return RolloutConfig.model_construct(
-        timeout_seconds=m["timeout_seconds"],
-        unresponsive_seconds=m["unresponsive_seconds"],
-        max_attempts=m["max_attempts"],
-        retry_condition=list(m["retry_condition"] or []),
+    return construct(
+        RolloutConfig,
+        {
+            "timeout_seconds": m["timeout_seconds"],
+            "unresponsive_seconds": m["unresponsive_seconds"],
+            "max_attempts": m["max_attempts"],
+            "retry_condition": list(m["retry_condition"] or []),
+        },
     )
 
 
@@ -131,44 +134,51 @@ def rollout_fields(m: Any) -> dict[str, Any]:
 
 
 def rollout_from_row(row: Row[Any] | Any) -> Rollout:
-    return Rollout.model_construct(**rollout_fields(_mapping(row)))
+    return construct(Rollout, rollout_fields(_mapping(row)))
+
+
+_ATTEMPT_FIELDS = (
+    "rollout_id",
+    "attempt_id",
+    "sequence_id",
+    "start_time",
+    "end_time",
+    "status",
+    "worker_id",
+    "last_heartbeat_time",
+    "metadata",
+)
 
 
 def attempt_from_row(row: Row[Any] | Any) -> Attempt:
     m = _mapping(row)
-    return Attempt.model_construct(
-        rollout_id=m["rollout_id"],
-        attempt_id=m["attempt_id"],
-        sequence_id=m["sequence_id"],
-        start_time=m["start_time"],
-        end_time=m["end_time"],
-        status=m["status"],
-        worker_id=m["worker_id"],
-        last_heartbeat_time=m["last_heartbeat_time"],
-        metadata=m["metadata"],
-    )
+    return construct(Attempt, {name: m[name] for name in _ATTEMPT_FIELDS})
 
 
 def attempted(rollout_row: Any, attempt: Attempt | None) -> Rollout | AttemptedRollout:
-    m = _mapping(rollout_row)
+    fields = rollout_fields(_mapping(rollout_row))
     if attempt is None:
-        return Rollout.model_construct(**rollout_fields(m))
-    return AttemptedRollout.model_construct(**rollout_fields(m), attempt=attempt)
+        return construct(Rollout, fields)
+    fields["attempt"] = attempt
+    return construct(AttemptedRollout, fields)
+
+
+_WORKER_FIELDS = (
+    "worker_id",
+    "status",
+    "heartbeat_stats",
+    "last_heartbeat_time",
+    "last_dequeue_time",
+    "last_busy_time",
+    "last_idle_time",
+    "current_rollout_id",
+    "current_attempt_id",
+)
 
 
 def worker_from_row(row: Row[Any] | Any) -> Worker:
     m = _mapping(row)
-    return Worker.model_construct(
-        worker_id=m["worker_id"],
-        status=m["status"],
-        heartbeat_stats=m["heartbeat_stats"],
-        last_heartbeat_time=m["last_heartbeat_time"],
-        last_dequeue_time=m["last_dequeue_time"],
-        last_busy_time=m["last_busy_time"],
-        last_idle_time=m["last_idle_time"],
-        current_rollout_id=m["current_rollout_id"],
-        current_attempt_id=m["current_attempt_id"],
-    )
+    return construct(Worker, {name: m[name] for name in _WORKER_FIELDS})
 
 
 def resources_from_row(row: Row[Any] | Any) -> ResourcesUpdate:
