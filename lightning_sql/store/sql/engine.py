@@ -38,6 +38,7 @@ from sqlalchemy import URL, Connection, Engine, create_engine, event, make_url, 
 from sqlalchemy.exc import DBAPIError, DisconnectionError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import StaticPool
+from sqlalchemy.util import greenlet_spawn
 
 from lightning_sql.store.sql import fastexec, migrate
 from lightning_sql.store.sql.errors import StoreUnavailableError
@@ -1118,36 +1119,43 @@ class AsyncLoopWorker(IoWorker):
 
     async def _once(self, unit: Unit[T], write: bool, attempt: int = 0, isolation: str | None = None) -> T:
         assert self._engine is not None
+        sync_engine = self._engine.sync_engine
         dialect = self.dialect
-        async with self._engine.connect() as aconn:
-            if self.target.kind == "aiosqlite":
-                await aconn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
-            holder: dict[str, UnitContext] = {}
+        aiosqlite = self.target.kind == "aiosqlite"
+        holder: dict[str, UnitContext] = {}
 
-            def run(conn: Connection) -> T:
+        def whole() -> T:
+            # The checkout, the unit, the commit and the check-in in ONE greenlet: SQLAlchemy's
+            # AsyncConnection would spawn one per step (connect, run_sync, commit, close).
+            with sync_engine.connect() as conn:
                 # PostgreSQL: per-connection settings that asyncpg applies at its BEGIN (no round
                 # trip of their own; the pool puts the connection back in autocommit on return).
                 if isolation == self._PG_TRANSACTION:
                     conn.execution_options(isolation_level=self._pg_default_isolation())
                 elif isolation == self._PG_SNAPSHOT:
                     conn.execution_options(isolation_level="REPEATABLE READ", postgresql_readonly=True)
+                elif aiosqlite:
+                    conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
                 ctx = UnitContext(conn, dialect, attempt=attempt)
                 holder["ctx"] = ctx
-                result = unit(ctx)
-                if dialect == "postgresql" and ctx.events:
-                    # One statement for all of the unit's events, delivered by the COMMIT.
-                    conn.execute(
-                        self._PG_NOTIFY,
-                        {"channel": NOTIFY_CHANNEL, "payloads": [f"{r}:{k}" for r, k in sorted(ctx.events)]},
-                    )
+                try:
+                    result = unit(ctx)
+                    if dialect == "postgresql" and ctx.events:
+                        # One statement for all of the unit's events, delivered by the COMMIT.
+                        conn.execute(
+                            self._PG_NOTIFY,
+                            {"channel": NOTIFY_CHANNEL, "payloads": [f"{r}:{k}" for r, k in sorted(ctx.events)]},
+                        )
+                    conn.commit()
+                except BaseException:
+                    try:
+                        conn.rollback()
+                    except Exception:  # noqa: BLE001 - the unit's own error is the one to report
+                        logger.debug("rollback after a failed unit failed", exc_info=True)
+                    raise
                 return result
 
-            try:
-                result = await aconn.run_sync(run)
-                await aconn.commit()
-            except BaseException:
-                await aconn.rollback()
-                raise
+        result = await greenlet_spawn(whole)
         self._after_commit(holder["ctx"])
         return result
 
