@@ -191,19 +191,9 @@ def check_span_order(spans: Any, expected: int, rollout_id: str) -> str | None:
     return None
 
 
-async def check_all_succeeded(store: Any, expected_ids: list[str], page: int | None = None) -> list[str]:
-    """Every expected rollout succeeded; ``page`` reads in pages so the check's memory stays bounded."""
-    by_id: dict[str, str] = {}
-    if page is None:
-        by_id = {r.rollout_id: r.status for r in await store.query_rollouts()}
-    else:
-        offset = 0
-        while True:
-            chunk = await store.query_rollouts(limit=page, offset=offset)
-            by_id.update((r.rollout_id, r.status) for r in chunk)
-            if len(chunk) < page:
-                break
-            offset += page
+async def check_all_succeeded(store: Any, expected_ids: list[str]) -> list[str]:
+    """Every expected rollout succeeded."""
+    by_id = {r.rollout_id: r.status for r in await store.query_rollouts()}
     bad = [rid for rid in expected_ids if by_id.get(rid) != "succeeded"]
     if bad:
         sample = {rid: by_id.get(rid) for rid in bad[:5]}
@@ -215,9 +205,10 @@ async def check_all_succeeded(store: Any, expected_ids: list[str], page: int | N
 
 
 async def runner_loop(
-    store: Any, factory: SpanFactory, worker_id: str, spans_per_rollout: int, batch: bool, claimed: list[str]
+    store: Any, factory: SpanFactory, worker_id: str, spans_per_rollout: int, batch: bool, claimed: Any
 ) -> int:
-    """One runner: claim, reserve sequence ids, write spans, finish; until the queue is empty."""
+    """One runner: claim, reserve sequence ids, write spans, finish; until the queue is empty.
+    Each claimed rollout id is appended to ``claimed`` (a list, or W8's ``_ClaimCount``)."""
     done = 0
     while True:
         ar = await store.dequeue_rollout(worker_id=worker_id)
@@ -241,8 +232,10 @@ async def lifecycle(
 ) -> Measurement:
     """W1 (batch) / W2 (single spans): enqueue, R runners until empty, then read every rollout back.
 
-    ``lean`` (W8) keeps the harness's own memory flat in N: enqueue in chunks and check in pages.
+    ``lean`` (W8) keeps the harness's own memory flat in N (``_lean_lifecycle``).
     """
+    if lean:
+        return await _lean_lifecycle(target, size, runners=runners, batch=batch, n=n or size.lifecycle_n)
     store = target.store
     if n is None:
         n = size.b2_lifecycle_n if target.name == "B2" else size.lifecycle_n
@@ -251,11 +244,8 @@ async def lifecycle(
     claimed: list[str] = []
     problems: list[str] = []
     started = time.perf_counter()
-    if lean:
-        ids = await fill_queue(target, n)
-    else:
-        requests = [target.request_cls(input={"task": i}) for i in range(n)]
-        ids = [r.rollout_id for r in await store.enqueue_many_rollouts(requests)]
+    requests = [target.request_cls(input={"task": i}) for i in range(n)]
+    ids = [r.rollout_id for r in await store.enqueue_many_rollouts(requests)]
     await asyncio.gather(*(runner_loop(store, factory, f"runner-{i}", s, batch, claimed) for i in range(runners)))
     for rid in ids:
         spans = await store.query_spans(rid, "latest")
@@ -264,7 +254,62 @@ async def lifecycle(
             problems.append(problem)
     elapsed = time.perf_counter() - started
     problems += check_claims(claimed, n, "lifecycle")
-    problems += await check_all_succeeded(store, ids, page=ENQUEUE_CHUNK if lean else None)
+    problems += await check_all_succeeded(store, ids)
+    return Measurement({"rollouts/s": n / elapsed, "spans/s": n * s / elapsed}, problems, [f"N={n}"])
+
+
+class _ClaimCount:
+    """Stands in for the list of claimed ids where the harness must not hold N ids (W8)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def append(self, _rollout_id: str) -> None:
+        self.count += 1
+
+
+async def _lean_lifecycle(target: Target, size: Size, *, runners: int, batch: bool, n: int) -> Measurement:
+    """W1 with the harness's memory independent of N, so that W8 measures the store: the queue is
+    filled in chunks, runners count their claims instead of listing them, and the read-back walks
+    the rollouts in pages. The checks are the same in substance: claims add up to N and every
+    rollout succeeded with exactly ONE attempt (a rollout claimed twice would have two, or leave
+    another unclaimed), with its spans in order."""
+    store = target.store
+    s = size.spans_per_rollout
+    factory = SpanFactory(target.span_cls, size.heavy)
+    claims = _ClaimCount()
+    problems: list[str] = []
+    started = time.perf_counter()
+    for start in range(0, n, ENQUEUE_CHUNK):
+        count = min(n, start + ENQUEUE_CHUNK) - start
+        await store.enqueue_many_rollouts([target.request_cls(input={"task": start + i}) for i in range(count)])
+    await asyncio.gather(*(runner_loop(store, factory, f"runner-{i}", s, batch, claims) for i in range(runners)))
+    seen = bad = 0
+    offset = 0
+    while True:
+        page = await store.query_rollouts(limit=ENQUEUE_CHUNK, offset=offset)
+        for rollout in page:
+            seen += 1
+            attempt = getattr(rollout, "attempt", None) or await store.get_latest_attempt(rollout.rollout_id)
+            if rollout.status != "succeeded" or attempt is None or attempt.sequence_id != 1:
+                bad += 1
+                if len(problems) < 5:
+                    problems.append(
+                        f"rollout {rollout.rollout_id}: status {rollout.status}, "
+                        f"attempts {None if attempt is None else attempt.sequence_id} (expected succeeded, 1)"
+                    )
+            spans = await store.query_spans(rollout.rollout_id, "latest")
+            problem = check_span_order(spans, s, rollout.rollout_id)
+            if problem and len(problems) < 5:
+                problems.append(problem)
+        if len(page) < ENQUEUE_CHUNK:
+            break
+        offset += ENQUEUE_CHUNK
+    elapsed = time.perf_counter() - started
+    if claims.count != n or seen != n:
+        problems.append(f"lean lifecycle: {claims.count} claims and {seen} rollouts, expected {n} of each")
+    if bad:
+        problems.append(f"lean lifecycle: {bad} of {n} rollouts not succeeded with exactly one attempt")
     return Measurement({"rollouts/s": n / elapsed, "spans/s": n * s / elapsed}, problems, [f"N={n}"])
 
 
