@@ -170,35 +170,38 @@ def _plan_for(
     )
 
 
-# The C scanner that ``json.loads`` ends in, for ``_sqlite_json`` and ``loads_json``.
+# The C scanner that ``json.loads`` ends in, for the JSON fast paths below.
 _scan_json = json.JSONDecoder().scan_once  # type: ignore[attr-defined]  # set in __init__
+_NOT_COMPACT = object()
 
 
-def loads_json(text: str) -> Any:
-    """``json.loads(text)``, straight into the C scanner for compact JSON text (the engines'
-    ``json_deserializer``: PostgreSQL's JSONB arrives as such text); anything else, and every error,
-    goes through ``json.loads`` itself."""
+def _scan_compact(text: Any) -> Any:
+    """The value of compact JSON text (what the store writes) straight from the C scanner, or
+    ``_NOT_COMPACT`` for anything else (surrounding whitespace, invalid text, numbers, bytes)."""
     try:
         obj, end = _scan_json(text, 0)
     except (StopIteration, TypeError, ValueError):
-        return json.loads(text)
-    return obj if end == len(text) else json.loads(text)
+        return _NOT_COMPACT
+    return obj if end == len(text) else _NOT_COMPACT
+
+
+def loads_json(text: str) -> Any:
+    """``json.loads(text)`` (the engines' ``json_deserializer``: PostgreSQL's JSONB arrives as compact
+    text), through the C scanner directly where it can; every error is ``json.loads``'s own."""
+    obj = _scan_compact(text)
+    return json.loads(text) if obj is _NOT_COMPACT else obj
 
 
 def _sqlite_json(processor: Any) -> Any:
     """SQLAlchemy's result processor of a JSON column on SQLite (``json.loads`` through three Python
-    frames, and numbers passed through), with a fast path straight into the C scanner for what the
-    store writes itself: compact JSON text.  Whatever else (surrounding whitespace, invalid text,
-    numbers, bytes) goes to ``processor``, which decodes or raises exactly as before."""
+    frames, and numbers passed through), with the C scanner's fast path for compact text; anything
+    else goes to ``processor``, which decodes or raises exactly as before."""
 
     def process(value: Any) -> Any:
         if value is None:
             return None
-        try:
-            obj, end = _scan_json(value, 0)
-        except (StopIteration, TypeError, ValueError):
-            return processor(value)
-        return obj if end == len(value) else processor(value)
+        obj = _scan_compact(value)
+        return processor(value) if obj is _NOT_COMPACT else obj
 
     return process
 
