@@ -137,17 +137,8 @@ def rollout_from_row(row: Row[Any] | Any) -> Rollout:
     return construct(Rollout, rollout_fields(_mapping(row)))
 
 
-_ATTEMPT_FIELDS = (
-    "rollout_id",
-    "attempt_id",
-    "sequence_id",
-    "start_time",
-    "end_time",
-    "status",
-    "worker_id",
-    "last_heartbeat_time",
-    "metadata",
-)
+# Every field of these models is a column of its table (a new field without one fails loudly here).
+_ATTEMPT_FIELDS = tuple(Attempt.model_fields)
 
 
 def attempt_from_row(row: Row[Any] | Any) -> Attempt:
@@ -163,17 +154,7 @@ def attempted(rollout_row: Any, attempt: Attempt | None) -> Rollout | AttemptedR
     return construct(AttemptedRollout, fields)
 
 
-_WORKER_FIELDS = (
-    "worker_id",
-    "status",
-    "heartbeat_stats",
-    "last_heartbeat_time",
-    "last_dequeue_time",
-    "last_busy_time",
-    "last_idle_time",
-    "current_rollout_id",
-    "current_attempt_id",
-)
+_WORKER_FIELDS = tuple(Worker.model_fields)  # likewise
 
 
 def worker_from_row(row: Row[Any] | Any) -> Worker:
