@@ -529,12 +529,7 @@ class SqliteThreadWorker(IoWorker):
             self.read_gate.leave()
 
     def _abandon_reader(self, conn: Connection) -> None:
-        try:
-            conn.rollback()
-            raw = conn.connection.dbapi_connection
-            if raw is not None and getattr(raw, "in_transaction", False):
-                raw.rollback()
-        except BaseException:  # noqa: BLE001 - a broken reader connection is replaced
+        if not _roll_back(conn):  # a broken reader connection is replaced
             self._readers.conn = None
             try:
                 conn.close()
@@ -743,14 +738,7 @@ class SqliteThreadWorker(IoWorker):
         SQLITE_BUSY or hit a deferred constraint): the driver connection is rolled back directly then,
         or the next BEGIN would fail with "cannot start a transaction within a transaction".
         """
-        if conn is None:
-            return
-        try:
-            conn.rollback()
-            raw = conn.connection.dbapi_connection
-            if raw is not None and getattr(raw, "in_transaction", False):
-                raw.rollback()
-        except BaseException:  # noqa: BLE001 - a broken connection is replaced
+        if conn is not None and not _roll_back(conn):  # a broken connection is replaced
             self._drop_connection()
 
     def _run_unit(
@@ -796,6 +784,19 @@ class SqliteThreadWorker(IoWorker):
             raise
         self._after_commit(ctx)
         return result
+
+
+def _roll_back(conn: Connection) -> bool:
+    """Roll a SQLite connection's transaction back, the driver's too (see ``_abandon``); False when
+    the connection cannot, i.e. is broken."""
+    try:
+        conn.rollback()
+        raw = conn.connection.dbapi_connection
+        if raw is not None and getattr(raw, "in_transaction", False):
+            raw.rollback()
+    except BaseException:  # noqa: BLE001 - reported as "broken"
+        return False
+    return True
 
 
 @dataclass(frozen=True)
