@@ -11,6 +11,8 @@ Guarantees:
   COMMITTED sees what a READ COMMITTED transaction would: every statement takes its own snapshot);
 * the pre-ping is one round trip, also before a write unit (not BEGIN + ping + ROLLBACK);
 * a write unit is one transaction: BEGIN, its statements, its notifications in one statement, COMMIT;
+  except the claim, a one-rollout sequence-id reservation and spans of one attempt, which are
+  one statement each without BEGIN/COMMIT;
 * the invariant checker still reads in one REPEATABLE READ READ ONLY transaction.
 """
 
@@ -32,6 +34,7 @@ from lightning_sql.store.sql import engine as engine_module
 from lightning_sql.store.sql.check import check_invariants
 from lightning_sql.store.sql.engine import NOTIFY_CHANNEL, UnitContext
 from tests.conftest import PG_URL, BackendSpec
+from tests.contract.test_spans import make_span
 from tests.helpers import FakeClock
 
 pytestmark = pytest.mark.postgres
@@ -299,7 +302,9 @@ async def test_a_write_is_one_transaction(wire: tuple[WireCounter, str, str]) ->
         await store.close()
 
 
-async def test_reserving_sequence_ids_of_one_rollout_is_one_statement(wire: tuple[WireCounter, str, str]) -> None:
+async def test_reserving_sequence_ids_of_one_rollout_is_one_statement(
+    wire: tuple[WireCounter, str, str],
+) -> None:
     """The tracer's reservation (one rollout): one UPDATE ... RETURNING, no BEGIN or COMMIT; pairs
     of several rollouts stay one transaction (an unknown rollout among them changes nothing)."""
     counter, url, schema = wire
@@ -314,13 +319,64 @@ async def test_reserving_sequence_ids_of_one_rollout_is_one_statement(wire: tupl
             await store.get_many_span_sequence_ids([one] * 4)
         per_call, seen = await _measure(counter, lambda i: store.get_many_span_sequence_ids([one] * 4), 10)
         assert seen.queries == [] and per_call == 1, seen
-        assert list(await store.get_many_span_sequence_ids([one] * 2)) == [53, 54]  # (3 + 10) * 4 reserved before
+        assert list(await store.get_many_span_sequence_ids([one] * 2)) == [
+            53,
+            54,
+        ]  # (3 + 10) * 4 reserved before
         two = (second.rollout_id, second.attempt.attempt_id)
         per_call, seen = await _measure(counter, lambda i: store.get_many_span_sequence_ids([one, two]), 1)
         assert [q.split()[0] for q in seen.queries] == ["BEGIN", "COMMIT;"], seen.queries
         with pytest.raises(ValueError, match="not found"):
             await store.get_many_span_sequence_ids([two, ("missing", "a")])
         assert list(await store.get_many_span_sequence_ids([two])) == [2]  # the failed call reserved nothing
+    finally:
+        await store.close()
+
+
+async def test_spans_of_one_attempt_are_one_statement(wire: tuple[WireCounter, str, str]) -> None:
+    """add_span / add_many_spans for one attempt: ONE statement (locks, insert, heartbeat, counter and
+    promotion together), no BEGIN or COMMIT, with the plain path's outcome; several attempts stay
+    one transaction, and a missing rollout or attempt writes nothing."""
+    counter, url, schema = wire
+    clock = FakeClock(1000.0)
+    store = _open(url, schema, clock=clock)
+    try:
+        await store.enqueue_many_rollouts([EnqueueRolloutRequest(input={"i": i}) for i in range(2)])
+        first = await store.dequeue_rollout(worker_id="w1")
+        second = await store.dequeue_rollout(worker_id="w1")
+        assert first is not None and second is not None
+        rid, aid = first.rollout_id, first.attempt.attempt_id
+        await store.add_span(make_span(rid, aid, 1))  # warm: the connection prepares the statement
+        clock.advance(5.0)
+        batches = [[make_span(rid, aid, 2 + 10 * i + k) for k in range(10)] for i in range(5)]
+        per_call, seen = await _measure(counter, lambda i: store.add_many_spans(batches[i]), 5)
+        assert seen.queries == [] and seen.parses == [], seen
+        assert per_call == 1, seen
+        stored = await store.query_spans(rid, aid)
+        assert [sp.sequence_id for sp in stored] == list(range(1, 52))
+        assert stored[5].attributes == batches[0][4].attributes
+        attempt = await store.get_latest_attempt(rid)
+        assert attempt is not None and attempt.status == "running" and attempt.last_heartbeat_time == 1005.0
+        assert (await store.get_rollout_by_id(rid)).status == "running"  # type: ignore[union-attr]
+        # Explicit sequence ids past the counter move it; repeats (in the batch or stored) are skipped.
+        again = make_span(rid, aid, 80)
+        per_call, seen = await _measure(
+            counter, lambda i: store.add_many_spans([again, batches[0][0], again, make_span(rid, aid, 90)]), 1
+        )
+        assert seen.queries == [] and per_call == 1, seen
+        assert [sp.sequence_id for sp in await store.query_spans(rid, aid)][-2:] == [80, 90]
+        assert await store.get_next_span_sequence_id(rid, aid) == 91
+        # Missing rollout / attempt: the plain path's errors, nothing written, still one statement.
+        with pytest.raises(ValueError, match="Rollout missing not found"):
+            await store.add_span(make_span("missing", aid, 1))
+        with pytest.raises(ValueError, match=f"Attempt missing not found for rollout {rid}"):
+            await store.add_span(make_span(rid, "missing", 1))
+        assert len(await store.query_spans(rid, None)) == 53
+        # Two attempts in one call: one transaction, as before.
+        both = [make_span(rid, aid, 100), make_span(second.rollout_id, second.attempt.attempt_id, 1)]
+        per_call, seen = await _measure(counter, lambda i: store.add_many_spans(both), 1)
+        assert [q.split()[0] for q in seen.queries] == ["BEGIN", "COMMIT;"], seen.queries
+        assert (await store.get_rollout_by_id(second.rollout_id)).status == "running"  # type: ignore[union-attr]
     finally:
         await store.close()
 
@@ -361,7 +417,9 @@ async def test_a_units_notifications_are_one_statement(
     listener = await asyncpg.connect(make_url(PG_URL).set(drivername="postgresql").render_as_string(False))
     try:
         await listener.add_listener(NOTIFY_CHANNEL, lambda *args: payloads.append(args[3]))
-        retried = await store.start_rollout(1, config=RolloutConfig(timeout_seconds=10, max_attempts=2, retry_condition=["timeout"]))
+        retried = await store.start_rollout(
+            1, config=RolloutConfig(timeout_seconds=10, max_attempts=2, retry_condition=["timeout"])
+        )
         failed = await store.start_rollout(2, config=RolloutConfig(timeout_seconds=10, max_attempts=1))
         clock.advance(11)
         mark = counter.mark()
@@ -400,8 +458,10 @@ async def test_read_units_see_one_transaction_per_statement_and_snapshots_one_fo
     """What autocommit means for a read unit, seen from the server (no proxy bookkeeping)."""
     _, url, schema = wire
     store = _open(url, schema)
-    stamps = text("SELECT statement_timestamp(), transaction_timestamp(), current_setting('transaction_isolation'), "
-                  "current_setting('transaction_read_only')")
+    stamps = text(
+        "SELECT statement_timestamp(), transaction_timestamp(), current_setting('transaction_isolation'), "
+        "current_setting('transaction_read_only')"
+    )
 
     def two_statements(ctx: UnitContext) -> list[Any]:
         first = ctx.conn.execute(stamps).one()

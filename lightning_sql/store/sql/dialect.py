@@ -16,9 +16,14 @@ from sqlalchemy import (
     Select,
     Table,
     Text,
+    and_,
     bindparam,
+    case,
+    cast,
+    exists,
     func,
     literal,
+    or_,
     select,
     update,
 )
@@ -26,10 +31,12 @@ from sqlalchemy import (
     insert as core_insert,
 )
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, array_agg
 
 from lightning_sql.store.sql import schema as s
 from lightning_sql.store.sql.engine import UnitContext
 from lightning_sql.store.sql.statements import cached
+from lightning_sql.types import QUEUED_STATUSES
 
 
 def insert(ctx: UnitContext | str, table: Table) -> Any:
@@ -196,3 +203,154 @@ def _claim_statement(returning: Sequence[Any], *, with_worker: bool) -> Any:
     )
     # A data-modifying CTE runs to completion whether or not the outer query reads it.
     return stmt.add_cte(upsert.returning(W.c.worker_id).cte("worker_sync"))
+
+
+# Span columns the one-statement ingest binds as arrays (run, rollout and attempt are scalars).
+_SPAN_ARRAY_COLUMNS: tuple[tuple[str, Any], ...] = (
+    ("sequence_id", postgresql.BIGINT),
+    ("trace_id", Text),
+    ("span_id", Text),
+    ("parent_id", Text),
+    ("name", Text),
+    ("status_code", Text),
+    ("start_time", postgresql.DOUBLE_PRECISION),
+    ("end_time", postgresql.DOUBLE_PRECISION),
+    ("attributes", Text),
+    ("events", Text),
+    ("links", Text),
+    ("resource", Text),
+    ("extra", Text),
+)
+_SPAN_JSON_COLUMNS = frozenset({"attributes", "events", "links", "resource", "extra"})
+# Rollout statuses a span promotes to ``running`` (spans._heartbeat: preparing and the queued ones).
+_PROMOTED_STATUSES = ("preparing", *QUEUED_STATUSES)
+
+
+def add_spans_in_one_statement(
+    ctx: UnitContext,
+    run_id: int,
+    now: float,
+    rollout_id: str,
+    attempt_id: str,
+    rows: Sequence[dict[str, Any]],
+) -> tuple[bool, bool, set[str]] | None:
+    """PostgreSQL: ``spans.add_spans`` for spans of ONE (rollout, attempt) in one round trip.
+
+    One statement of CTEs, in the lock order of contract §2.17: lock the rollout row, then (only if
+    it exists) the attempt row, then insert the spans (only if both exist; duplicates skipped), then
+    heartbeat the attempt and bump the rollout's span counter / promote it to ``running`` (rows
+    already locked).  Being one statement, it is atomic without a transaction, and it changes
+    nothing when the rollout or the attempt is missing.  Returns (rollout found, attempt found, the
+    span ids inserted); None on SQLite, where the caller runs the plain steps.
+    """
+    if ctx.dialect != "postgresql":
+        return None
+    stmt = cached("span_ingest_one_statement", _span_ingest_statement)
+    params: dict[str, Any] = {
+        "si_run_id": run_id,
+        "si_rollout_id": rollout_id,
+        "si_attempt_id": attempt_id,
+        "si_now": now,
+        "si_highest": max(row["sequence_id"] for row in rows),
+    }
+    for name, _type in _SPAN_ARRAY_COLUMNS:
+        params[f"si_{name}"] = [row[name] for row in rows]
+    row = ctx.execute(stmt, params).one()
+    return bool(row.rollout_found), bool(row.attempt_found), set(row.inserted or ())
+
+
+def _one_of(column: Any, values: Sequence[str]) -> Any:
+    """``column IN (values)`` with fixed parameters (an IN of literals compiles per execution)."""
+    return or_(*(column == literal(value, Text) for value in values))
+
+
+def _span_ingest_statement() -> Any:
+    R, A, S = s.rollouts, s.attempts, s.spans
+    run_id = bindparam("si_run_id", type_=Integer)
+    rollout_id = bindparam("si_rollout_id", type_=Text)
+    attempt_id = bindparam("si_attempt_id", type_=Text)
+    now = bindparam("si_now", type_=Float(precision=53))
+    locked_rollout = (
+        select(R.c.rollout_id)
+        .where(R.c.run_id == run_id, R.c.rollout_id == rollout_id)
+        .with_for_update()
+        .cte("locked_rollout")
+    )
+    locked_attempt = (
+        select(A.c.sequence_id)
+        .where(
+            A.c.run_id == run_id,
+            A.c.rollout_id == rollout_id,
+            A.c.attempt_id == attempt_id,
+            exists(select(locked_rollout.c.rollout_id)),  # the rollout row is locked first
+        )
+        .with_for_update()
+        .cte("locked_attempt")
+    )
+    arrays = [bindparam(f"si_{name}", type_=ARRAY(type_)) for name, type_ in _SPAN_ARRAY_COLUMNS]
+    given = (
+        func.unnest(*arrays)
+        .table_valued(*(name for name, _ in _SPAN_ARRAY_COLUMNS))
+        .render_derived(name="given")
+    )
+    values = [
+        cast(given.c[name], JSONB) if name in _SPAN_JSON_COLUMNS else given.c[name]
+        for name, _ in _SPAN_ARRAY_COLUMNS
+    ]
+    inserted = (
+        postgresql.insert(S)
+        .from_select(
+            ["run_id", "rollout_id", "attempt_id", *(name for name, _ in _SPAN_ARRAY_COLUMNS)],
+            select(run_id, rollout_id, attempt_id, *values)
+            .select_from(given)
+            .where(exists(select(locked_attempt.c.sequence_id))),
+        )
+        .on_conflict_do_nothing()
+        .returning(S.c.span_id)
+        .cte("inserted")
+    )
+    any_inserted = exists(select(inserted.c.span_id))
+    heartbeat = (
+        update(A)
+        .where(A.c.run_id == run_id, A.c.rollout_id == rollout_id, A.c.attempt_id == attempt_id, any_inserted)
+        .values(
+            last_heartbeat_time=now,
+            status=case((_one_of(A.c.status, ("preparing", "unresponsive")), "running"), else_=A.c.status),
+        )
+        .returning(A.c.attempt_id)
+        .cte("heartbeat")
+    )
+    highest = bindparam("si_highest", type_=postgresql.BIGINT)
+    # The latest attempt's spans promote a claimed or queued rollout (spans._heartbeat).
+    promote = and_(
+        any_inserted,
+        R.c.attempt_count == select(locked_attempt.c.sequence_id).scalar_subquery(),
+        _one_of(R.c.status, _PROMOTED_STATUSES),
+    )
+    counters = (
+        update(R)
+        .where(
+            R.c.run_id == run_id,
+            R.c.rollout_id == rollout_id,
+            exists(select(locked_attempt.c.sequence_id)),
+            or_(R.c.span_seq < highest, promote),
+        )
+        .values(
+            span_seq=func.greatest(R.c.span_seq, highest),
+            status=case((promote, "running"), else_=R.c.status),
+            queue_seq=case((promote, None), else_=R.c.queue_seq),
+        )
+        .returning(R.c.rollout_id)
+        .cte("counters")
+    )
+    found_rollout = exists(select(locked_rollout.c.rollout_id))
+    found_attempt = exists(select(locked_attempt.c.sequence_id))
+    return (
+        select(
+            found_rollout.label("rollout_found"),
+            found_attempt.label("attempt_found"),
+            select(array_agg(inserted.c.span_id)).scalar_subquery().label("inserted"),
+        )
+        .add_cte(heartbeat)
+        .add_cte(counters)
+    )

@@ -1,7 +1,8 @@
 """Units of work for spans and span sequence counters (contract §2.9, §2.10).
 
 Lock order (PostgreSQL): the rollout rows first (in ``rollout_id`` order), then the attempt rows,
-then the span inserts; the heartbeat written last only touches rows already locked.
+then the span inserts; the heartbeat written last only touches rows already locked.  Spans of one
+attempt take the same steps as one statement there (``dialect.add_spans_in_one_statement``).
 """
 
 from __future__ import annotations
@@ -108,6 +109,10 @@ def add_spans(
     """
     if not spans:
         return []
+    if not allocate and one_group(spans):
+        one_trip = _add_one_group(ctx, run_id, now, spans, rows)
+        if one_trip is not None:
+            return one_trip
     groups: dict[tuple[str, str], list[int]] = {}
     for index, span in enumerate(spans):
         groups.setdefault((span.rollout_id, span.attempt_id), []).append(index)
@@ -166,6 +171,43 @@ def add_spans(
     # Group order (first seen), input order inside a group.
     order = {key: i for i, key in enumerate(groups)}
     inserted.sort(key=lambda sp: order[(sp.rollout_id, sp.attempt_id)])
+    return inserted
+
+
+def one_group(spans: Sequence[Span]) -> bool:
+    """All spans belong to one (rollout, attempt): PostgreSQL ingests them in one statement."""
+    first = spans[0]
+    return all(span.rollout_id == first.rollout_id and span.attempt_id == first.attempt_id for span in spans)
+
+
+def _add_one_group(
+    ctx: UnitContext, run_id: int, now: float, spans: Sequence[Span], rows: Sequence[dict[str, Any]]
+) -> list[Span] | None:
+    """``add_spans`` for one (rollout, attempt) as one statement (``dialect.add_spans_in_one_statement``);
+    None on SQLite.  Same outcome as the plain steps: the same errors (and nothing written), the same
+    duplicates skipped and logged, the inserted spans in input order."""
+    unique_rows: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for span, row in zip(spans, rows, strict=True):
+        if span.span_id not in seen:  # repeats inside the batch are duplicates too; keep the first
+            seen.add(span.span_id)
+            unique_rows.append(row)
+    first = spans[0]
+    outcome = d.add_spans_in_one_statement(ctx, run_id, now, first.rollout_id, first.attempt_id, unique_rows)
+    if outcome is None:
+        return None
+    rollout_found, attempt_found, inserted_ids = outcome
+    if not rollout_found:
+        raise ValueError(f"Rollout {first.rollout_id} not found")
+    if not attempt_found:
+        raise ValueError(f"Attempt {first.attempt_id} not found for rollout {first.rollout_id}")
+    inserted: list[Span] = []
+    for span in spans:
+        if span.span_id in inserted_ids:
+            inserted_ids.discard(span.span_id)  # a later repeat of the id is a duplicate
+            inserted.append(span)
+        else:
+            _log_duplicate(span)
     return inserted
 
 

@@ -565,7 +565,9 @@ class SqlLightningStore(StoreInstance, LightningStore):
                     row["run_id"] = run_id
             return span_units.add_spans(ctx, run_id, now, spans, rows, allocate=allocate)
 
-        return await self._call(method, unit, write=True)
+        # Spans of one attempt are one statement on PostgreSQL (span_units.add_spans), atomic alone.
+        one_statement = not allocate and span_units.one_group(spans)
+        return await self._call(method, unit, write=True, autocommit=one_statement)
 
     async def add_otel_span(
         self,
