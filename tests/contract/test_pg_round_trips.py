@@ -12,7 +12,8 @@ Guarantees:
 * the pre-ping is one round trip, also before a write unit (not BEGIN + ping + ROLLBACK);
 * a write unit is one transaction: BEGIN, its statements, its notifications in one statement, COMMIT;
   except the claim, a one-rollout sequence-id reservation and spans of one attempt, which are
-  one statement each without BEGIN/COMMIT;
+  one statement each without BEGIN/COMMIT; ``update_attempt`` is BEGIN, one statement locking its
+  rows, one writing them (with the notification), COMMIT;
 * the invariant checker still reads in one REPEATABLE READ READ ONLY transaction.
 """
 
@@ -434,6 +435,67 @@ async def test_a_units_notifications_are_one_statement(
         assert len(run_ids) == 1 and sorted(p.split(":", 1)[1] for p in payloads) == ["finished", "queued"]
         assert (await store.get_rollout_by_id(retried.rollout_id)).status == "requeuing"  # type: ignore[union-attr]
         assert (await store.get_rollout_by_id(failed.rollout_id)).status == "failed"  # type: ignore[union-attr]
+    finally:
+        await listener.close()
+        await store.close()
+
+
+async def test_an_attempt_update_locks_in_one_statement_and_writes_in_one(
+    wire: tuple[WireCounter, str, str],
+) -> None:
+    """update_attempt: BEGIN, ONE statement locking the rollout and then its attempt, ONE statement
+    writing the attempt, the rollout, the worker row and the notification, COMMIT; the notification
+    is delivered once, and a requeue (which also takes a queue position) still notifies."""
+    import asyncpg
+
+    counter, url, schema = wire
+    store = _open(url, schema)
+    payloads: list[str] = []
+    listener = await asyncpg.connect(make_url(PG_URL).set(drivername="postgresql").render_as_string(False))
+    try:
+        await listener.add_listener(NOTIFY_CHANNEL, lambda *args: payloads.append(args[3]))
+        await store.enqueue_many_rollouts(
+            [
+                EnqueueRolloutRequest(
+                    input={"i": i}, config=RolloutConfig(max_attempts=2, retry_condition=["failed"])
+                )
+                for i in range(6)
+            ]
+        )
+        claimed = [await store.dequeue_rollout(worker_id="w1") for _ in range(6)]
+        for ar in claimed[:2]:  # warm: the connection prepares the statements
+            assert ar is not None
+            await store.update_attempt(ar.rollout_id, ar.attempt.attempt_id, status="succeeded")
+        rest = claimed[2:5]
+
+        async def finish(i: int) -> None:
+            ar = rest[i]
+            assert ar is not None
+            attempt = await store.update_attempt(ar.rollout_id, "latest", status="succeeded")
+            assert attempt.status == "succeeded" and attempt.end_time is not None
+
+        per_call, seen = await _measure(counter, finish, 3)
+        assert [q.split()[0] for q in seen.queries] == ["BEGIN", "COMMIT;"] * 3, seen.queries
+        assert len(seen.statements) == 6 and per_call == 4, seen
+        assert all("pg_notify" in st for st in seen.statements[1::2])
+        for ar in rest:
+            assert ar is not None
+            assert (await store.get_rollout_by_id(ar.rollout_id)).status == "succeeded"  # type: ignore[union-attr]
+        worker = await store.get_worker_by_id("w1")
+        assert worker is not None and worker.status == "idle" and worker.current_rollout_id is None
+        # A failure with a retry left: the rollout is requeued (a queue position, a "queued" event).
+        last = claimed[5]
+        assert last is not None
+        mark = counter.mark()
+        await store.update_attempt(last.rollout_id, last.attempt.attempt_id, status="failed")
+        assert len(counter.since(mark).statements) == 3  # lock, queue position, the writes
+        assert (await store.get_rollout_by_id(last.rollout_id)).status == "requeuing"  # type: ignore[union-attr]
+        deadline = asyncio.get_running_loop().time() + 5
+        while len(payloads) < 7 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        # The enqueue's "queued", five "finished", the requeue's "queued": each exactly once.
+        assert sorted(p.split(":", 1)[1] for p in payloads) == ["finished"] * 5 + ["queued"] * 2, payloads
     finally:
         await listener.close()
         await store.close()

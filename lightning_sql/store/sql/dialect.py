@@ -6,7 +6,8 @@ cannot be neutral.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import (
@@ -25,6 +26,7 @@ from sqlalchemy import (
     literal,
     or_,
     select,
+    true,
     update,
 )
 from sqlalchemy import (
@@ -34,7 +36,8 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, array_agg
 
 from lightning_sql.store.sql import schema as s
-from lightning_sql.store.sql.engine import UnitContext
+from lightning_sql.store.sql.engine import NOTIFY_CHANNEL, UnitContext
+from lightning_sql.store.sql.fastexec import make_row_class
 from lightning_sql.store.sql.statements import cached
 from lightning_sql.types import QUEUED_STATUSES
 
@@ -354,3 +357,115 @@ def _span_ingest_statement() -> Any:
         .add_cte(heartbeat)
         .add_cte(counters)
     )
+
+
+def lock_rollout_and_attempt(
+    ctx: UnitContext, run_id: int, rollout_id: str, attempt_id: str, columns: Sequence[Any]
+) -> tuple[Any, Any] | None:
+    """PostgreSQL: lock a rollout row, then its attempt (``attempt_id`` or ``"latest"``), in ONE round trip.
+
+    The attempt is a LATERAL subquery of the locked rollout row, so its lock is taken after the
+    rollout's (lock order, contract §2.17).  Returns (the rollout row with ``columns``,
+    ``attempt_count`` and ``queue_seq``, or None; the attempt row, or None).  None on
+    SQLite, where the caller runs the two reads (writers are serialised, nothing to lock).
+    """
+    if ctx.dialect != "postgresql":
+        return None
+    latest = attempt_id == "latest"
+    names = tuple(c.name for c in columns)
+    stmt = cached(("lock_rollout_and_attempt", names, latest), lambda: _lock_pair_statement(columns, latest=latest))
+    params: dict[str, Any] = {"lp_run_id": run_id, "lp_rollout_id": rollout_id}
+    if not latest:
+        params["lp_attempt_id"] = attempt_id
+    row = ctx.execute(stmt, params).first()
+    if row is None:
+        return None, None
+    m = row._mapping
+    if m["a_attempt_id"] is None:
+        return row, None
+    return row, _AttemptRow(*(m[f"a_{name}"] for name in _ATTEMPT_NAMES))
+
+
+_ATTEMPT_NAMES = tuple(c.name for c in s.attempts.c if c.name != "run_id")
+_AttemptRow = make_row_class(_ATTEMPT_NAMES)
+
+
+def _lock_pair_statement(columns: Sequence[Any], *, latest: bool) -> Any:
+    R, A = s.rollouts, s.attempts
+    run_id = bindparam("lp_run_id", type_=Integer)
+    locked = (
+        select(*columns, R.c.attempt_count, R.c.queue_seq)
+        .where(R.c.run_id == run_id, R.c.rollout_id == bindparam("lp_rollout_id", type_=Text))
+        .with_for_update()
+        .cte("locked_rollout")
+    )
+    which = A.c.sequence_id == locked.c.attempt_count if latest else A.c.attempt_id == bindparam("lp_attempt_id")
+    attempt = (
+        select(A)
+        .where(A.c.run_id == run_id, A.c.rollout_id == locked.c.rollout_id, which)
+        .with_for_update()
+        .lateral("locked_attempt")
+    )
+    return select(locked, *(attempt.c[name].label(f"a_{name}") for name in _ATTEMPT_NAMES)).select_from(
+        locked.outerjoin(attempt, true())
+    )
+
+
+@dataclass(frozen=True)
+class Write:
+    """One prebuilt write statement (``build()``, cached under ``key``) and its parameters.  Writes that
+    go together must name their parameters apart (a prefix per statement)."""
+
+    key: Hashable
+    build: Callable[[], Any]
+    params: dict[str, Any]
+
+
+def run_writes(ctx: UnitContext, writes: Sequence[Write]) -> Any:
+    """Run a unit's last writes and return the first row of the first one's RETURNING (or None).
+
+    The writes must touch distinct rows that the unit has locked already (or new rows), and none may
+    depend on another's effect: PostgreSQL runs them as ONE statement of data-modifying CTEs (which
+    all see the same snapshot), together with the unit's pending notifications, so the unit's
+    locks, these writes and COMMIT are its only round trips.  SQLite runs them in order.
+    """
+    if ctx.dialect != "postgresql":
+        first = None
+        for index, write in enumerate(writes):
+            result = ctx.execute(cached(write.key, write.build), write.params)
+            if index == 0:
+                first = result.first()
+        return first
+    payloads = ctx.take_notifications()
+    key = ("writes_in_one_statement", tuple(write.key for write in writes), bool(payloads))
+    stmt = cached(key, lambda: _writes_statement([write.build() for write in writes], notify=bool(payloads)))
+    params: dict[str, Any] = {}
+    for write in writes:
+        params.update(write.params)
+    if payloads:
+        params["wn_channel"] = NOTIFY_CHANNEL
+        params["wn_payloads"] = payloads
+    return ctx.execute(stmt, params).first()
+
+
+def _writes_statement(statements: Sequence[Any], *, notify: bool) -> Any:
+    first, *others = statements
+    main = first.cte("write_0")
+    stmt = select(main)
+    for index, other in enumerate(others, 1):
+        # A data-modifying CTE runs to completion whether or not the outer query reads it.
+        stmt = stmt.add_cte(other.cte(f"write_{index}"))
+    if notify:
+        events = (
+            func.unnest(bindparam("wn_payloads", type_=ARRAY(Text)))
+            .table_valued("payload", with_ordinality="n")
+            .render_derived(name="events")
+        )
+        # A volatile output of a subquery is never pruned: every pg_notify runs, in order.
+        sent = (
+            select(func.pg_notify(bindparam("wn_channel", type_=Text), events.c.payload).label("sent"))
+            .order_by(events.c.n)
+            .subquery("sent")
+        )
+        stmt = stmt.add_columns(select(func.count()).select_from(sent).scalar_subquery().label("notified"))
+    return stmt

@@ -200,10 +200,19 @@ class UnitContext:
     # 0 on the first try; > 0 when the worker replays the unit after a transient error, i.e. when an
     # earlier try may have committed (units skip their replay look-ups on the first try).
     attempt: int = 0
+    # Events a statement of the unit already notified (PostgreSQL, dialect.run_writes): the worker
+    # sends only the others.
+    notified: set[tuple[int, str]] = field(default_factory=set)
 
     def announce(self, run_id: int, kind: str) -> None:
         """Record a ``finished``/``queued`` event, delivered once per kind and run after commit."""
         self.events.add((run_id, kind))
+
+    def take_notifications(self) -> list[str]:
+        """The NOTIFY payloads of the events not notified yet, in delivery order; they count as sent."""
+        pending = sorted(self.events - self.notified)
+        self.notified.update(pending)
+        return [f"{run_id}:{kind}" for run_id, kind in pending]
 
     def execute(self, stmt: Any, params: Any = None) -> Any:
         """``conn.execute(stmt, params)``; prebuilt statements go straight to the driver (fastexec)."""
@@ -1145,12 +1154,10 @@ class AsyncLoopWorker(IoWorker):
                 holder["ctx"] = ctx
                 try:
                     result = unit(ctx)
-                    if dialect == "postgresql" and ctx.events:
+                    payloads = ctx.take_notifications() if dialect == "postgresql" else []
+                    if payloads:
                         # One statement for all of the unit's events, delivered by the COMMIT.
-                        conn.execute(
-                            self._PG_NOTIFY,
-                            {"channel": NOTIFY_CHANNEL, "payloads": [f"{r}:{k}" for r, k in sorted(ctx.events)]},
-                        )
+                        conn.execute(self._PG_NOTIFY, {"channel": NOTIFY_CHANNEL, "payloads": payloads})
                     conn.commit()
                 except BaseException:
                     try:

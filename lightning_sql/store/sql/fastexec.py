@@ -107,7 +107,7 @@ class FastResult:
         return FastResult([row[0] for row in self._rows], self.rowcount)
 
 
-def _row_class(names: Sequence[str]) -> Any:
+def make_row_class(names: Sequence[str]) -> Any:
     """A named tuple with ``_mapping`` (what ``rows.py`` reads), or None when the names cannot be fields."""
     if len(set(names)) != len(names) or any(
         not n.isidentifier() or keyword.iskeyword(n) or n.startswith("_") for n in names
@@ -143,7 +143,7 @@ def _plan_for(
             sql = compiled.preparer._render_schema_translates(sql, schema_map or {})
     row_class = None
     if compiled._result_columns:
-        row_class = _row_class([entry.keyname for entry in compiled._result_columns])
+        row_class = make_row_class([entry.keyname for entry in compiled._result_columns])
         if row_class is None:
             return None
     elif compiled.effective_returning or compiled.isplaintext:

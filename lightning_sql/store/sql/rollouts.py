@@ -23,7 +23,7 @@ from lightning_sql.store.sql.rows import (
     rollout_from_row,
 )
 from lightning_sql.store.sql.statements import cached, prebuilt
-from lightning_sql.store.sql.workers import mark_idle_on_empty_queue, sync_worker
+from lightning_sql.store.sql.workers import mark_idle_on_empty_queue, sync_worker, worker_sync
 from lightning_sql.types import (
     FINISHED_STATUSES,
     QUEUED_STATUSES,
@@ -451,29 +451,34 @@ _ATTEMPT_BY_SEQ = select(A).where(
 )
 
 
-def _update_where(table: Any, keys: tuple[str, ...], cols: tuple[str, ...]) -> Any:
-    """UPDATE table SET <cols> WHERE <keys>, with ``u_<name>`` placeholders."""
+def _update_where(table: Any, keys: tuple[str, ...], cols: tuple[str, ...], prefix: str) -> Any:
+    """UPDATE table SET <cols> WHERE <keys>, with ``<prefix><name>`` placeholders."""
     return (
         update(table)
-        .where(*(table.c[k] == bindparam(f"u_{k}") for k in keys))
-        .values({c: bindparam(f"u_{c}") for c in cols})
+        .where(*(table.c[k] == bindparam(f"{prefix}{k}") for k in keys))
+        .values({c: bindparam(f"{prefix}{c}") for c in cols})
     )
 
 
-def _update_row(
-    ctx: UnitContext, table: Any, keys: dict[str, Any], values: dict[str, Any], *, returning: bool = False
-) -> Any:
-    """Write ``values`` into the row named by ``keys`` through a prebuilt statement; with
-    ``returning``, the updated row (every column) or None, in the same statement."""
+def _row_write(
+    table: Any, keys: dict[str, Any], values: dict[str, Any], *, prefix: str = "u_", returning: bool = False
+) -> d.Write:
+    """Writing ``values`` into the row named by ``keys``, as a prebuilt statement; with ``returning``,
+    it returns the updated row (every column)."""
     key_names, cols = tuple(keys), tuple(values)
-    stmt = cached(
-        ("update_row", table.name, key_names, cols, returning),
-        lambda: _update_where(table, key_names, cols).returning(*table.c)
+    return d.Write(
+        ("update_row", table.name, key_names, cols, prefix, returning),
+        lambda: _update_where(table, key_names, cols, prefix).returning(*table.c)
         if returning
-        else _update_where(table, key_names, cols),
+        else _update_where(table, key_names, cols, prefix),
+        {**{f"{prefix}{k}": v for k, v in keys.items()}, **{f"{prefix}{c}": v for c, v in values.items()}},
     )
-    result = ctx.execute(stmt, {**{f"u_{k}": v for k, v in keys.items()}, **{f"u_{c}": v for c, v in values.items()}})
-    return result.first() if returning else None
+
+
+def _update_row(ctx: UnitContext, table: Any, keys: dict[str, Any], values: dict[str, Any]) -> None:
+    """Write ``values`` into the row named by ``keys`` through a prebuilt statement."""
+    write = _row_write(table, keys, values)
+    ctx.execute(cached(write.key, write.build), write.params)
 
 
 def start_attempt(
@@ -558,6 +563,19 @@ def update_rollout(
 
 def resolve_attempt(ctx: UnitContext, run_id: int, rollout_id: str, attempt_id: str, *, lock: bool) -> tuple[Any, Any]:
     """(rollout row, attempt row) per the resolution order of contract §2.7, or raise its errors."""
+    storable = attempt_id == "latest" or is_storable_text(attempt_id)
+    pair = None
+    if lock and storable:  # PostgreSQL locks both rows in one round trip (None on SQLite)
+        pair = d.lock_rollout_and_attempt(ctx, run_id, rollout_id, attempt_id, ROLLOUT_COLUMNS)
+    if pair is not None:
+        row, attempt_row = pair
+        if row is None:
+            raise ValueError(f"Rollout {rollout_id} not found")
+        if row.attempt_count == 0 or (attempt_row is None and attempt_id == "latest"):
+            raise ValueError(f"No attempts found for rollout {rollout_id}")
+        if attempt_row is None:
+            raise ValueError(f"Attempt {attempt_id} not found for rollout {rollout_id}")
+        return row, attempt_row
     row = lock_rollout(ctx, run_id, rollout_id, lock=lock)
     if row is None:
         raise ValueError(f"Rollout {rollout_id} not found")
@@ -593,11 +611,15 @@ def update_attempt(
             values[key] = changes[key]
     if changes.get("status") in ("failed", "succeeded"):
         values["end_time"] = now
+    if not values:
+        return attempt_from_row(attempt_row)
     aid = attempt_row.attempt_id
     keys = {"run_id": run_id, "rollout_id": rollout_id, "attempt_id": aid}
-    new_row = _update_row(ctx, A, keys, values, returning=True) if values else attempt_row
-    assert new_row is not None  # locked above
-    new_attempt = attempt_from_row(new_row)
+    # The attempt's row, the rollout's and the worker's are written together (dialect.run_writes:
+    # one statement on PostgreSQL): what follows from the attempt's new status and worker is decided
+    # here from the locked row and the changes, not read back.
+    writes = [_row_write(A, keys, values, prefix="ua_", returning=True)]
+    status = values.get("status", attempt_row.status)
     if "status" in changes and attempt_row.sequence_id == row.attempt_count and row.status != "cancelled":
         config = RolloutConfig.model_construct(
             timeout_seconds=row.timeout_seconds,
@@ -605,19 +627,20 @@ def update_attempt(
             max_attempts=row.max_attempts,
             retry_condition=list(row.retry_condition or []),
         )
-        new_status = rollout_status_from_attempt(new_attempt.status, new_attempt.sequence_id, config)
+        new_status = rollout_status_from_attempt(status, attempt_row.sequence_id, config)
         if new_status != row.status:
             rvalues: dict[str, Any] = {"status": new_status}
             if new_status in FINISHED_STATUSES:
                 rvalues["end_time"] = now
                 ctx.announce(run_id, "finished")
             rvalues.update(enter_or_leave_queue(ctx, run_id, row.status, new_status, row.queue_seq))
-            _update_row(ctx, R, {"run_id": run_id, "rollout_id": rollout_id}, rvalues)
-    wid = new_attempt.worker_id
+            writes.append(_row_write(R, {"run_id": run_id, "rollout_id": rollout_id}, rvalues, prefix="ur_"))
+    wid = values["worker_id"] if "worker_id" in values else attempt_row.worker_id
     if ("worker_id" in changes and changes["worker_id"]) or ("status" in changes and wid):
-        assert wid is not None
-        sync_worker(ctx, run_id, now, wid, new_attempt.status, rollout_id, aid, claim=False)
-    return new_attempt
+        writes.append(worker_sync(ctx, run_id, now, wid, status, rollout_id, aid, claim=False))
+    new_row = d.run_writes(ctx, writes)
+    assert new_row is not None  # locked above
+    return attempt_from_row(new_row)
 
 
 def touch_attempt(ctx: UnitContext, run_id: int, now: float, rollout_id: str, attempt_id: str) -> Attempt:

@@ -30,6 +30,26 @@ def _upsert_statement(dialect: str, insert_cols: tuple[str, ...], update_set: tu
     return stmt.on_conflict_do_update(index_elements=[W.c.run_id, W.c.worker_id], set_=set_)
 
 
+def _upsert_write(
+    ctx: UnitContext,
+    run_id: int,
+    worker_id: str,
+    insert_values: dict[str, Any],
+    update_set: tuple[tuple[str, Any], ...],
+) -> d.Write:
+    """Creating the worker row, or updating only the columns of ``update_set`` (a prebuilt statement)."""
+    insert_cols = tuple(insert_values)
+    dialect = ctx.dialect
+    params = {f"w_{col}": value for col, value in insert_values.items()}
+    params["w_run_id"] = run_id
+    params["w_worker_id"] = worker_id
+    return d.Write(
+        ("worker_upsert", dialect, insert_cols, update_set),
+        lambda: _upsert_statement(dialect, insert_cols, update_set),
+        params,
+    )
+
+
 def _upsert(
     ctx: UnitContext,
     run_id: int,
@@ -37,16 +57,8 @@ def _upsert(
     insert_values: dict[str, Any],
     update_set: tuple[tuple[str, Any], ...],
 ) -> None:
-    """Create the worker row, or update only the columns of ``update_set`` (a prebuilt statement)."""
-    insert_cols = tuple(insert_values)
-    stmt = cached(
-        ("worker_upsert", ctx.dialect, insert_cols, update_set),
-        lambda: _upsert_statement(ctx.dialect, insert_cols, update_set),
-    )
-    params = {f"w_{col}": value for col, value in insert_values.items()}
-    params["w_run_id"] = run_id
-    params["w_worker_id"] = worker_id
-    ctx.execute(stmt, params)
+    write = _upsert_write(ctx, run_id, worker_id, insert_values, update_set)
+    ctx.execute(cached(write.key, write.build), write.params)
 
 
 def _take(*cols: str) -> tuple[tuple[str, Any], ...]:
@@ -95,6 +107,22 @@ def sync_worker(
     claim: bool,
 ) -> None:
     """Make the worker row follow an attempt it runs; writes only the listed fields (upsert)."""
+    write = worker_sync(ctx, run_id, now, worker_id, attempt_status, rollout_id, attempt_id, claim=claim)
+    ctx.execute(cached(write.key, write.build), write.params)
+
+
+def worker_sync(
+    ctx: UnitContext,
+    run_id: int,
+    now: float,
+    worker_id: str,
+    attempt_status: str,
+    rollout_id: str,
+    attempt_id: str,
+    *,
+    claim: bool,
+) -> d.Write:
+    """The write of ``sync_worker``, to run with others (``dialect.run_writes``)."""
     if attempt_status in ("succeeded", "failed"):
         values: dict[str, Any] = {
             "status": "idle",
@@ -117,7 +145,7 @@ def sync_worker(
         if claim:
             values["last_dequeue_time"] = now
             update_set = _BUSY_CLAIM
-    _upsert(ctx, run_id, worker_id, values, update_set)
+    return _upsert_write(ctx, run_id, worker_id, values, update_set)
 
 
 def update_worker(
