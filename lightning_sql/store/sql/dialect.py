@@ -361,19 +361,20 @@ def _span_ingest_statement() -> Any:
 
 def lock_rollout_and_attempt(
     ctx: UnitContext, run_id: int, rollout_id: str, attempt_id: str, columns: Sequence[Any]
-) -> tuple[Any, Any] | None:
-    """PostgreSQL: lock a rollout row, then its attempt (``attempt_id`` or ``"latest"``), in ONE round trip.
+) -> tuple[Any, Any]:
+    """A rollout row and its attempt (``attempt_id`` or ``"latest"``) in ONE statement, for a write unit.
 
-    The attempt is a LATERAL subquery of the locked rollout row, so its lock is taken after the
-    rollout's (lock order, contract §2.17).  Returns (the rollout row with ``columns``,
-    ``attempt_count`` and ``queue_seq``, or None; the attempt row, or None).  None on
-    SQLite, where the caller runs the two reads (writers are serialised, nothing to lock).
+    Returns (the rollout row with ``columns``, ``attempt_count`` and ``queue_seq``, or None; the
+    attempt row, or None).  PostgreSQL locks both, the rollout first: the attempt is a LATERAL
+    subquery of the locked rollout row (lock order, contract §2.17).  SQLite reads both with one
+    join (``BEGIN IMMEDIATE`` already serialises writers).
     """
-    if ctx.dialect != "postgresql":
-        return None
     latest = attempt_id == "latest"
     names = tuple(c.name for c in columns)
-    stmt = cached(("lock_rollout_and_attempt", names, latest), lambda: _lock_pair_statement(columns, latest=latest))
+    stmt = cached(
+        ("lock_rollout_and_attempt", ctx.dialect, names, latest),
+        lambda: _lock_pair_statement(ctx.dialect, columns, latest=latest),
+    )
     params: dict[str, Any] = {"lp_run_id": run_id, "lp_rollout_id": rollout_id}
     if not latest:
         params["lp_attempt_id"] = attempt_id
@@ -390,12 +391,21 @@ _ATTEMPT_NAMES = tuple(c.name for c in s.attempts.c if c.name != "run_id")
 _AttemptRow = make_row_class(_ATTEMPT_NAMES)
 
 
-def _lock_pair_statement(columns: Sequence[Any], *, latest: bool) -> Any:
+def _lock_pair_statement(dialect: str, columns: Sequence[Any], *, latest: bool) -> Any:
     R, A = s.rollouts, s.attempts
     run_id = bindparam("lp_run_id", type_=Integer)
+    rollout_id = bindparam("lp_rollout_id", type_=Text)
+    if dialect != "postgresql":
+        which = A.c.sequence_id == R.c.attempt_count if latest else A.c.attempt_id == bindparam("lp_attempt_id")
+        joined = R.outerjoin(A, and_(A.c.run_id == R.c.run_id, A.c.rollout_id == R.c.rollout_id, which))
+        return (
+            select(*columns, R.c.attempt_count, R.c.queue_seq, *(A.c[name].label(f"a_{name}") for name in _ATTEMPT_NAMES))
+            .select_from(joined)
+            .where(R.c.run_id == run_id, R.c.rollout_id == rollout_id)
+        )
     locked = (
         select(*columns, R.c.attempt_count, R.c.queue_seq)
-        .where(R.c.run_id == run_id, R.c.rollout_id == bindparam("lp_rollout_id", type_=Text))
+        .where(R.c.run_id == run_id, R.c.rollout_id == rollout_id)
         .with_for_update()
         .cte("locked_rollout")
     )

@@ -563,12 +563,8 @@ def update_rollout(
 
 def resolve_attempt(ctx: UnitContext, run_id: int, rollout_id: str, attempt_id: str, *, lock: bool) -> tuple[Any, Any]:
     """(rollout row, attempt row) per the resolution order of contract §2.7, or raise its errors."""
-    storable = attempt_id == "latest" or is_storable_text(attempt_id)
-    pair = None
-    if lock and storable:  # PostgreSQL locks both rows in one round trip (None on SQLite)
-        pair = d.lock_rollout_and_attempt(ctx, run_id, rollout_id, attempt_id, ROLLOUT_COLUMNS)
-    if pair is not None:
-        row, attempt_row = pair
+    if lock and (attempt_id == "latest" or is_storable_text(attempt_id)):  # both rows in one statement
+        row, attempt_row = d.lock_rollout_and_attempt(ctx, run_id, rollout_id, attempt_id, ROLLOUT_COLUMNS)
         if row is None:
             raise ValueError(f"Rollout {rollout_id} not found")
         if row.attempt_count == 0 or (attempt_row is None and attempt_id == "latest"):

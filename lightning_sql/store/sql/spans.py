@@ -28,6 +28,9 @@ A = s.attempts
 S = s.spans
 
 
+_LOCKED_ROLLOUT_COLUMNS = (R.c.rollout_id, R.c.status, R.c.span_seq)
+
+
 def _lock_rollouts(ctx: UnitContext, run_id: int, rollout_ids: Sequence[str]) -> dict[str, Any]:
     ids = sorted(set(rollout_ids))
     stmt = cached(
@@ -116,14 +119,7 @@ def add_spans(
     groups: dict[tuple[str, str], list[int]] = {}
     for index, span in enumerate(spans):
         groups.setdefault((span.rollout_id, span.attempt_id), []).append(index)
-    locked = _lock_rollouts(ctx, run_id, [rid for rid, _ in groups])
-    for rid, _aid in groups:
-        if rid not in locked:
-            raise ValueError(f"Rollout {rid} not found")
-    attempt_rows = {(row.rollout_id, row.attempt_id): row for row in _lock_attempts(ctx, run_id, sorted(groups))}
-    for rid, aid in groups:
-        if (rid, aid) not in attempt_rows:
-            raise ValueError(f"Attempt {aid} not found for rollout {rid}")
+    locked, attempt_rows = _lock_groups(ctx, run_id, list(groups))
 
     if allocate:
         (span,) = spans
@@ -172,6 +168,30 @@ def add_spans(
     order = {key: i for i, key in enumerate(groups)}
     inserted.sort(key=lambda sp: order[(sp.rollout_id, sp.attempt_id)])
     return inserted
+
+
+def _lock_groups(
+    ctx: UnitContext, run_id: int, groups: list[tuple[str, str]]
+) -> tuple[dict[str, Any], dict[tuple[str, str], Any]]:
+    """The rollout rows, then the attempt rows, of the (rollout, attempt) groups, locked in that
+    order; raises for the first missing rollout, then for the first missing attempt."""
+    if len(groups) == 1:  # the rollout and its attempt in one statement
+        ((rid, aid),) = groups
+        rollout_row, attempt_row = d.lock_rollout_and_attempt(ctx, run_id, rid, aid, _LOCKED_ROLLOUT_COLUMNS)
+        if rollout_row is None:
+            raise ValueError(f"Rollout {rid} not found")
+        if attempt_row is None:
+            raise ValueError(f"Attempt {aid} not found for rollout {rid}")
+        return {rid: rollout_row}, {(rid, aid): attempt_row}
+    locked = _lock_rollouts(ctx, run_id, [rid for rid, _ in groups])
+    for rid, _aid in groups:
+        if rid not in locked:
+            raise ValueError(f"Rollout {rid} not found")
+    attempt_rows = {(row.rollout_id, row.attempt_id): row for row in _lock_attempts(ctx, run_id, sorted(groups))}
+    for rid, aid in groups:
+        if (rid, aid) not in attempt_rows:
+            raise ValueError(f"Attempt {aid} not found for rollout {rid}")
+    return locked, attempt_rows
 
 
 def one_group(spans: Sequence[Span]) -> bool:
