@@ -264,6 +264,39 @@ async def test_add_many_spans_skips_duplicates(store, clock, caplog):
     assert (await store.get_latest_attempt(rid)).last_heartbeat_time == hb
 
 
+async def test_a_large_batch_over_two_attempts_skips_stored_duplicates_per_attempt(store, clock, caplog):
+    """Batches of more than two spans take SQLite's look-up + executemany path: a span id stored under
+    one attempt is a duplicate there only; the other attempt's span with the same id is new."""
+    rid, aid = await _started(store)
+    other_rid, other_aid = await _started(store)
+    stored = [make_span(rid, aid, i) for i in range(1, 4)]
+    await store.add_many_spans(stored)
+    hb_other = (await store.get_latest_attempt(other_rid)).last_heartbeat_time
+    clock.advance(1)
+    batch = [
+        make_span(rid, aid, 10, span_id=stored[0].span_id),  # stored: duplicate
+        make_span(other_rid, other_aid, 1, span_id=stored[0].span_id),  # same id, other attempt: new
+        make_span(rid, aid, 11),
+        make_span(rid, aid, 12, span_id=stored[2].span_id),  # stored: duplicate
+        make_span(rid, aid, 13),
+        make_span(other_rid, other_aid, 2),
+    ]
+    with caplog.at_level(logging.ERROR):
+        out = await store.add_many_spans(batch)
+    assert out == [batch[2], batch[4], batch[1], batch[5]]  # group order, input order inside a group
+    messages = sorted(r.getMessage() for r in caplog.records if r.levelno == logging.ERROR)
+    assert messages == sorted(DUP.format(rid=rid, aid=aid, sid=sp.span_id) for sp in (stored[0], stored[2]))
+    assert [sp.sequence_id for sp in await store.query_spans(rid)] == [1, 2, 3, 11, 13]
+    assert [sp.sequence_id for sp in await store.query_spans(other_rid)] == [1, 2]
+    assert (await store.get_latest_attempt(other_rid)).last_heartbeat_time != hb_other
+    # Only duplicates, more than two of them: nothing inserted, no heartbeat.
+    hb = (await store.get_latest_attempt(rid)).last_heartbeat_time
+    clock.advance(1)
+    again = [make_span(rid, aid, 20 + i, span_id=sp.span_id) for i, sp in enumerate(stored)]
+    assert await store.add_many_spans(again) == []
+    assert (await store.get_latest_attempt(rid)).last_heartbeat_time == hb
+
+
 # --- add_otel_span ------------------------------------------------------------------------------
 
 

@@ -147,11 +147,7 @@ def add_spans(
         seen.add(key)
         unique_rows.append(row)
         unique_index.append(index)
-    insert_spans = cached(
-        ("span_insert", ctx.dialect),
-        lambda: d.insert(ctx, S).on_conflict_do_nothing().returning(S.c.rollout_id, S.c.attempt_id, S.c.span_id),
-    )
-    inserted_keys = {(r[0], r[1], r[2]) for r in ctx.execute(insert_spans, unique_rows)}
+    inserted_keys = d.insert_new_spans(ctx, run_id, unique_rows)
     inserted: list[Span] = []
     touched: set[tuple[str, str]] = set()
     for index in unique_index:
