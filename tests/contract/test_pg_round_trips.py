@@ -377,7 +377,8 @@ async def test_spans_of_one_attempt_are_one_statement(wire: tuple[WireCounter, s
         both = [make_span(rid, aid, 100), make_span(second.rollout_id, second.attempt.attempt_id, 1)]
         per_call, seen = await _measure(counter, lambda i: store.add_many_spans(both), 1)
         assert [q.split()[0] for q in seen.queries] == ["BEGIN", "COMMIT;"], seen.queries
-        assert (await store.get_rollout_by_id(second.rollout_id)).status == "running"  # type: ignore[union-attr]
+        rollout = await store.get_rollout_by_id(second.rollout_id)
+        assert rollout is not None and rollout.status == "running"
     finally:
         await store.close()
 
@@ -480,7 +481,8 @@ async def test_an_attempt_update_locks_in_one_statement_and_writes_in_one(
         assert all("pg_notify" in st for st in seen.statements[1::2])
         for ar in rest:
             assert ar is not None
-            assert (await store.get_rollout_by_id(ar.rollout_id)).status == "succeeded"  # type: ignore[union-attr]
+            rollout = await store.get_rollout_by_id(ar.rollout_id)
+            assert rollout is not None and rollout.status == "succeeded"
         worker = await store.get_worker_by_id("w1")
         assert worker is not None and worker.status == "idle" and worker.current_rollout_id is None
         # A failure with a retry left: the rollout is requeued (a queue position, a "queued" event).
@@ -489,7 +491,8 @@ async def test_an_attempt_update_locks_in_one_statement_and_writes_in_one(
         mark = counter.mark()
         await store.update_attempt(last.rollout_id, last.attempt.attempt_id, status="failed")
         assert len(counter.since(mark).statements) == 3  # lock, queue position, the writes
-        assert (await store.get_rollout_by_id(last.rollout_id)).status == "requeuing"  # type: ignore[union-attr]
+        rollout = await store.get_rollout_by_id(last.rollout_id)
+        assert rollout is not None and rollout.status == "requeuing"
         deadline = asyncio.get_running_loop().time() + 5
         while len(payloads) < 7 and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.01)

@@ -208,7 +208,9 @@ def _claim_statement(returning: Sequence[Any], *, with_worker: bool) -> Any:
     return stmt.add_cte(upsert.returning(W.c.worker_id).cte("worker_sync"))
 
 
-def insert_new_spans(ctx: UnitContext, run_id: int, rows: Sequence[dict[str, Any]]) -> set[tuple[str, str, str]]:
+def insert_new_spans(
+    ctx: UnitContext, run_id: int, rows: Sequence[dict[str, Any]]
+) -> set[tuple[str, str, str]]:
     """Insert span rows (distinct keys) except those already stored; the (rollout, attempt, span) keys
     inserted.
 
@@ -222,7 +224,9 @@ def insert_new_spans(ctx: UnitContext, run_id: int, rows: Sequence[dict[str, Any
     if ctx.dialect == "postgresql" or len(rows) <= 2:  # SQLite: a row or two are as cheap this way
         stmt = cached(
             ("span_insert_returning", ctx.dialect),
-            lambda: insert(ctx, S).on_conflict_do_nothing().returning(S.c.rollout_id, S.c.attempt_id, S.c.span_id),
+            lambda: insert(ctx, S)
+            .on_conflict_do_nothing()
+            .returning(S.c.rollout_id, S.c.attempt_id, S.c.span_id),
         )
         return {(r[0], r[1], r[2]) for r in ctx.execute(stmt, list(rows))}
     stored = cached(
@@ -440,11 +444,13 @@ def _lock_pair_statement(dialect: str, columns: Sequence[Any], *, latest: bool) 
     R, A = s.rollouts, s.attempts
     run_id = bindparam("lp_run_id", type_=Integer)
     rollout_id = bindparam("lp_rollout_id", type_=Text)
+    attempt_id = bindparam("lp_attempt_id", type_=Text)
     if dialect != "postgresql":
-        which = A.c.sequence_id == R.c.attempt_count if latest else A.c.attempt_id == bindparam("lp_attempt_id")
+        which = A.c.sequence_id == R.c.attempt_count if latest else A.c.attempt_id == attempt_id
         joined = R.outerjoin(A, and_(A.c.run_id == R.c.run_id, A.c.rollout_id == R.c.rollout_id, which))
+        attempt_columns = [A.c[name].label(f"a_{name}") for name in _ATTEMPT_NAMES]
         return (
-            select(*columns, R.c.attempt_count, R.c.queue_seq, *(A.c[name].label(f"a_{name}") for name in _ATTEMPT_NAMES))
+            select(*columns, R.c.attempt_count, R.c.queue_seq, *attempt_columns)
             .select_from(joined)
             .where(R.c.run_id == run_id, R.c.rollout_id == rollout_id)
         )
@@ -454,7 +460,7 @@ def _lock_pair_statement(dialect: str, columns: Sequence[Any], *, latest: bool) 
         .with_for_update()
         .cte("locked_rollout")
     )
-    which = A.c.sequence_id == locked.c.attempt_count if latest else A.c.attempt_id == bindparam("lp_attempt_id")
+    which = A.c.sequence_id == locked.c.attempt_count if latest else A.c.attempt_id == attempt_id
     attempt = (
         select(A)
         .where(A.c.run_id == run_id, A.c.rollout_id == locked.c.rollout_id, which)

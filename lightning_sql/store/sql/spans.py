@@ -183,7 +183,7 @@ def _lock_groups(
     for rid, _aid in groups:
         if rid not in locked:
             raise ValueError(f"Rollout {rid} not found")
-    attempt_rows = {(row.rollout_id, row.attempt_id): row for row in _lock_attempts(ctx, run_id, sorted(groups))}
+    attempt_rows = {(r.rollout_id, r.attempt_id): r for r in _lock_attempts(ctx, run_id, sorted(groups))}
     for rid, aid in groups:
         if (rid, aid) not in attempt_rows:
             raise ValueError(f"Attempt {aid} not found for rollout {rid}")
