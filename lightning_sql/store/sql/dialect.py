@@ -278,6 +278,12 @@ _SPAN_JSON_COLUMNS = frozenset({"attributes", "events", "links", "resource", "ex
 _PROMOTED_STATUSES = ("preparing", *QUEUED_STATUSES)
 
 
+def ingests_spans_in_one_statement(ctx: UnitContext) -> bool:
+    """Spans of one attempt are one statement (``add_spans_in_one_statement``): PostgreSQL only.
+    SQLite has no data-modifying CTEs, and a statement there costs no round trip."""
+    return ctx.dialect == "postgresql"
+
+
 def add_spans_in_one_statement(
     ctx: UnitContext,
     run_id: int,
@@ -285,7 +291,7 @@ def add_spans_in_one_statement(
     rollout_id: str,
     attempt_id: str,
     rows: Sequence[dict[str, Any]],
-) -> tuple[bool, bool, set[str]] | None:
+) -> tuple[bool, bool, set[str]]:
     """PostgreSQL: ``spans.add_spans`` for spans of ONE (rollout, attempt) in one round trip.
 
     One statement of CTEs, in the lock order of contract §2.17: lock the rollout row, then (only if
@@ -293,10 +299,9 @@ def add_spans_in_one_statement(
     heartbeat the attempt and bump the rollout's span counter / promote it to ``running`` (rows
     already locked).  Being one statement, it is atomic without a transaction, and it changes
     nothing when the rollout or the attempt is missing.  Returns (rollout found, attempt found, the
-    span ids inserted); None on SQLite, where the caller runs the plain steps.
+    span ids inserted).
     """
-    if ctx.dialect != "postgresql":
-        return None
+    assert ingests_spans_in_one_statement(ctx)
     stmt = cached("span_ingest_one_statement", _span_ingest_statement)
     params: dict[str, Any] = {
         "si_run_id": run_id,
@@ -430,13 +435,14 @@ def lock_rollout_and_attempt(
     row = ctx.execute(stmt, params).first()
     if row is None:
         return None, None
-    m = row._mapping
-    if m["a_attempt_id"] is None:
+    attempt = row[-len(_ATTEMPT_NAMES) :]  # the attempt's columns come last
+    if attempt[_ATTEMPT_ID_AT] is None:
         return row, None
-    return row, _AttemptRow(*(m[f"a_{name}"] for name in _ATTEMPT_NAMES))
+    return row, _AttemptRow(*attempt)
 
 
 _ATTEMPT_NAMES = tuple(c.name for c in s.attempts.c if c.name != "run_id")
+_ATTEMPT_ID_AT = _ATTEMPT_NAMES.index("attempt_id")
 _AttemptRow = make_row_class(_ATTEMPT_NAMES)
 
 

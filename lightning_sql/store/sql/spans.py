@@ -112,10 +112,8 @@ def add_spans(
     """
     if not spans:
         return []
-    if not allocate and one_group(spans):
-        one_trip = _add_one_group(ctx, run_id, now, spans, rows)
-        if one_trip is not None:
-            return one_trip
+    if not allocate and d.ingests_spans_in_one_statement(ctx) and one_group(spans):
+        return _add_one_group(ctx, run_id, now, spans, rows)
     groups: dict[tuple[str, str], list[int]] = {}
     for index, span in enumerate(spans):
         groups.setdefault((span.rollout_id, span.attempt_id), []).append(index)
@@ -198,9 +196,9 @@ def one_group(spans: Sequence[Span]) -> bool:
 
 def _add_one_group(
     ctx: UnitContext, run_id: int, now: float, spans: Sequence[Span], rows: Sequence[dict[str, Any]]
-) -> list[Span] | None:
-    """``add_spans`` for one (rollout, attempt) as one statement (``dialect.add_spans_in_one_statement``);
-    None on SQLite.  Same outcome as the plain steps: the same errors (and nothing written), the same
+) -> list[Span]:
+    """``add_spans`` for one (rollout, attempt) as one statement (``dialect.add_spans_in_one_statement``,
+    PostgreSQL).  Same outcome as the plain steps: the same errors (and nothing written), the same
     duplicates skipped and logged, the inserted spans in input order."""
     unique_rows: list[dict[str, Any]] = []
     seen: set[str] = set()
@@ -209,10 +207,9 @@ def _add_one_group(
             seen.add(span.span_id)
             unique_rows.append(row)
     first = spans[0]
-    outcome = d.add_spans_in_one_statement(ctx, run_id, now, first.rollout_id, first.attempt_id, unique_rows)
-    if outcome is None:
-        return None
-    rollout_found, attempt_found, inserted_ids = outcome
+    rollout_found, attempt_found, inserted_ids = d.add_spans_in_one_statement(
+        ctx, run_id, now, first.rollout_id, first.attempt_id, unique_rows
+    )
     if not rollout_found:
         raise ValueError(f"Rollout {first.rollout_id} not found")
     if not attempt_found:
