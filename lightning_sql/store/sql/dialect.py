@@ -487,6 +487,10 @@ class Write:
     build: Callable[[], Any]
     params: dict[str, Any]
 
+    def execute(self, ctx: UnitContext) -> Any:
+        """Run this write alone."""
+        return ctx.execute(cached(self.key, self.build), self.params)
+
 
 def run_writes(ctx: UnitContext, writes: Sequence[Write]) -> Any:
     """Run a unit's last writes and return the first row of the first one's RETURNING (or None).
@@ -499,7 +503,7 @@ def run_writes(ctx: UnitContext, writes: Sequence[Write]) -> Any:
     if ctx.dialect != "postgresql":
         first = None
         for index, write in enumerate(writes):
-            result = ctx.execute(cached(write.key, write.build), write.params)
+            result = write.execute(ctx)
             if index == 0:
                 first = result.first()
         return first

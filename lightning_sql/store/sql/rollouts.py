@@ -477,8 +477,7 @@ def _row_write(
 
 def _update_row(ctx: UnitContext, table: Any, keys: dict[str, Any], values: dict[str, Any]) -> None:
     """Write ``values`` into the row named by ``keys`` through a prebuilt statement."""
-    write = _row_write(table, keys, values)
-    ctx.execute(cached(write.key, write.build), write.params)
+    _row_write(table, keys, values).execute(ctx)
 
 
 def start_attempt(

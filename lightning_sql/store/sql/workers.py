@@ -57,8 +57,7 @@ def _upsert(
     insert_values: dict[str, Any],
     update_set: tuple[tuple[str, Any], ...],
 ) -> None:
-    write = _upsert_write(ctx, run_id, worker_id, insert_values, update_set)
-    ctx.execute(cached(write.key, write.build), write.params)
+    _upsert_write(ctx, run_id, worker_id, insert_values, update_set).execute(ctx)
 
 
 def _take(*cols: str) -> tuple[tuple[str, Any], ...]:
@@ -107,8 +106,7 @@ def sync_worker(
     claim: bool,
 ) -> None:
     """Make the worker row follow an attempt it runs; writes only the listed fields (upsert)."""
-    write = worker_sync(ctx, run_id, now, worker_id, attempt_status, rollout_id, attempt_id, claim=claim)
-    ctx.execute(cached(write.key, write.build), write.params)
+    worker_sync(ctx, run_id, now, worker_id, attempt_status, rollout_id, attempt_id, claim=claim).execute(ctx)
 
 
 def worker_sync(
