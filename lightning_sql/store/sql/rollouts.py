@@ -23,7 +23,7 @@ from lightning_sql.store.sql.rows import (
     rollout_from_row,
 )
 from lightning_sql.store.sql.statements import cached, prebuilt
-from lightning_sql.store.sql.workers import mark_idle_on_empty_queue, sync_worker, worker_sync
+from lightning_sql.store.sql.workers import mark_idle_on_empty_queue, sync_worker
 from lightning_sql.types import (
     FINISHED_STATUSES,
     QUEUED_STATUSES,
@@ -271,7 +271,8 @@ def start_rollout(
         )
     )
     if worker_id:  # upstream's worker sync skips a falsy id
-        sync_worker(ctx, run_id, now, worker_id, "preparing", item.rollout_id, attempt_id, claim=False)
+        sync = sync_worker(ctx, run_id, now, worker_id, "preparing", item.rollout_id, attempt_id, claim=False)
+        sync.execute(ctx)
     attempt = Attempt.model_construct(
         rollout_id=item.rollout_id,
         attempt_id=attempt_id,
@@ -326,7 +327,8 @@ def claim(
             out, synced = _claim_fresh(ctx, run_id, now, attempt_ids, worker_id)
     if out and worker_id and not synced:  # upstream's worker sync skips a falsy id...
         last = out[-1]
-        sync_worker(ctx, run_id, now, worker_id, "preparing", last.rollout_id, last.attempt.attempt_id, claim=True)
+        rid, aid = last.rollout_id, last.attempt.attempt_id
+        sync_worker(ctx, run_id, now, worker_id, "preparing", rid, aid, claim=True).execute(ctx)
     elif not out and worker_id is not None:  # ...but its empty-queue idle marking does not
         mark_idle_on_empty_queue(ctx, run_id, now, worker_id)
     return out
@@ -506,7 +508,8 @@ def start_attempt(
             )
         )
         if worker_id:  # upstream's worker sync skips a falsy id
-            sync_worker(ctx, run_id, now, worker_id, "preparing", rollout_id, attempt_id, claim=False)
+            sync = sync_worker(ctx, run_id, now, worker_id, "preparing", rollout_id, attempt_id, claim=False)
+            sync.execute(ctx)
         existing = _attempt(ctx, run_id, rollout_id, attempt_id)
         row = lock_rollout(ctx, run_id, rollout_id)
     assert existing is not None
@@ -632,7 +635,7 @@ def update_attempt(
             writes.append(_row_write(R, {"run_id": run_id, "rollout_id": rollout_id}, rvalues, prefix="ur_"))
     wid = values["worker_id"] if "worker_id" in values else attempt_row.worker_id
     if ("worker_id" in changes and changes["worker_id"]) or ("status" in changes and wid):
-        writes.append(worker_sync(ctx, run_id, now, wid, status, rollout_id, aid, claim=False))
+        writes.append(sync_worker(ctx, run_id, now, wid, status, rollout_id, aid, claim=False))
     new_row = d.run_writes(ctx, writes)
     assert new_row is not None  # locked above
     return attempt_from_row(new_row)

@@ -104,23 +104,9 @@ def sync_worker(
     attempt_id: str,
     *,
     claim: bool,
-) -> None:
-    """Make the worker row follow an attempt it runs; writes only the listed fields (upsert)."""
-    worker_sync(ctx, run_id, now, worker_id, attempt_status, rollout_id, attempt_id, claim=claim).execute(ctx)
-
-
-def worker_sync(
-    ctx: UnitContext,
-    run_id: int,
-    now: float,
-    worker_id: str,
-    attempt_status: str,
-    rollout_id: str,
-    attempt_id: str,
-    *,
-    claim: bool,
 ) -> d.Write:
-    """The write of ``sync_worker``, to run with others (``dialect.run_writes``)."""
+    """Making the worker row follow an attempt it runs (writes only the listed fields; an upsert): run
+    it with ``.execute(ctx)``, or with other writes (``dialect.run_writes``)."""
     if attempt_status in ("succeeded", "failed"):
         values: dict[str, Any] = {
             "status": "idle",
