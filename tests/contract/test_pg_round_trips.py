@@ -23,6 +23,7 @@ import asyncio
 import struct
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -240,6 +241,39 @@ def wire(pg_backend: BackendSpec) -> Iterator[tuple[WireCounter, str, str]]:
         counter.close()
 
 
+@pytest.fixture
+def wire_own_database(wire: tuple[WireCounter, str, str]) -> Iterator[tuple[WireCounter, str, str]]:
+    """``wire`` on a database of its own: NOTIFY is per database, and a test that counts
+    notifications must not hear other stores (another test run, a benchmark) on the shared one."""
+    import asyncpg
+
+    counter, url, schema = wire
+    name = f"lsql_notify_{uuid.uuid4().hex[:10]}"
+    admin = make_url(PG_URL).set(drivername="postgresql").render_as_string(False)
+
+    async def run(sql: str) -> None:
+        conn = await asyncpg.connect(admin)
+        try:
+            await conn.execute(sql)
+        finally:
+            await conn.close()
+
+    asyncio.run(run(f'CREATE DATABASE "{name}"'))
+    try:
+        yield counter, make_url(url).set(database=name).render_as_string(False), schema
+    finally:
+        asyncio.run(run(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+def _listen_url(store_url: str) -> str:
+    """The database of ``store_url``, reached directly (not through the counter)."""
+    return (
+        make_url(PG_URL)
+        .set(drivername="postgresql", database=make_url(store_url).database)
+        .render_as_string(False)
+    )
+
+
 async def _measure(counter: WireCounter, call: Any, n: int) -> tuple[float, WireCounts]:
     """Round trips per call of ``n`` sequential calls, and what they sent."""
     mark = counter.mark()
@@ -409,14 +443,14 @@ async def test_a_claim_is_one_statement_without_a_transaction(wire: tuple[WireCo
 
 
 async def test_a_units_notifications_are_one_statement(
-    wire: tuple[WireCounter, str, str], clock: FakeClock
+    wire_own_database: tuple[WireCounter, str, str], clock: FakeClock
 ) -> None:
     import asyncpg
 
-    counter, url, schema = wire
+    counter, url, schema = wire_own_database
     store = _open(url, schema, clock=clock)
     payloads: list[str] = []
-    listener = await asyncpg.connect(make_url(PG_URL).set(drivername="postgresql").render_as_string(False))
+    listener = await asyncpg.connect(_listen_url(url))
     try:
         await listener.add_listener(NOTIFY_CHANNEL, lambda *args: payloads.append(args[3]))
         retried = await store.start_rollout(
@@ -442,17 +476,17 @@ async def test_a_units_notifications_are_one_statement(
 
 
 async def test_an_attempt_update_locks_in_one_statement_and_writes_in_one(
-    wire: tuple[WireCounter, str, str],
+    wire_own_database: tuple[WireCounter, str, str],
 ) -> None:
     """update_attempt: BEGIN, ONE statement locking the rollout and then its attempt, ONE statement
     writing the attempt, the rollout, the worker row and the notification, COMMIT; the notification
     is delivered once, and a requeue (which also takes a queue position) still notifies."""
     import asyncpg
 
-    counter, url, schema = wire
+    counter, url, schema = wire_own_database
     store = _open(url, schema)
     payloads: list[str] = []
-    listener = await asyncpg.connect(make_url(PG_URL).set(drivername="postgresql").render_as_string(False))
+    listener = await asyncpg.connect(_listen_url(url))
     try:
         await listener.add_listener(NOTIFY_CHANNEL, lambda *args: payloads.append(args[3]))
         await store.enqueue_many_rollouts(
