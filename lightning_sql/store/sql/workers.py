@@ -30,7 +30,7 @@ def _upsert_statement(dialect: str, insert_cols: tuple[str, ...], update_set: tu
     return stmt.on_conflict_do_update(index_elements=[W.c.run_id, W.c.worker_id], set_=set_)
 
 
-def _upsert_write(
+def _upsert(
     ctx: UnitContext,
     run_id: int,
     worker_id: str,
@@ -48,16 +48,6 @@ def _upsert_write(
         lambda: _upsert_statement(dialect, insert_cols, update_set),
         params,
     )
-
-
-def _upsert(
-    ctx: UnitContext,
-    run_id: int,
-    worker_id: str,
-    insert_values: dict[str, Any],
-    update_set: tuple[tuple[str, Any], ...],
-) -> None:
-    _upsert_write(ctx, run_id, worker_id, insert_values, update_set).execute(ctx)
 
 
 def _take(*cols: str) -> tuple[tuple[str, Any], ...]:
@@ -85,13 +75,8 @@ _IDLE_ON_EMPTY = (
 
 def mark_idle_on_empty_queue(ctx: UnitContext, run_id: int, now: float, worker_id: str) -> None:
     """A worker that found nothing to claim: idle (unless already idle), ``last_dequeue_time = now``."""
-    _upsert(
-        ctx,
-        run_id,
-        worker_id,
-        {"status": "idle", "last_idle_time": now, "last_dequeue_time": now},
-        _IDLE_ON_EMPTY,
-    )
+    values = {"status": "idle", "last_idle_time": now, "last_dequeue_time": now}
+    _upsert(ctx, run_id, worker_id, values, _IDLE_ON_EMPTY).execute(ctx)
 
 
 def sync_worker(
@@ -129,7 +114,7 @@ def sync_worker(
         if claim:
             values["last_dequeue_time"] = now
             update_set = _BUSY_CLAIM
-    return _upsert_write(ctx, run_id, worker_id, values, update_set)
+    return _upsert(ctx, run_id, worker_id, values, update_set)
 
 
 def update_worker(
@@ -138,7 +123,7 @@ def update_worker(
     values: dict[str, Any] = {"status": "unknown", "last_heartbeat_time": now}
     if stats_given:
         values["heartbeat_stats"] = stats
-    _upsert(ctx, run_id, worker_id, values, _HEARTBEAT_STATS if stats_given else _HEARTBEAT)
+    _upsert(ctx, run_id, worker_id, values, _HEARTBEAT_STATS if stats_given else _HEARTBEAT).execute(ctx)
     worker = get_worker(ctx, run_id, worker_id)
     assert worker is not None
     return worker
