@@ -69,12 +69,14 @@ def pg_available(url: str) -> tuple[bool, str]:
     return True, ""
 
 
-def drop_pg_schema(url: str, schema: str) -> None:
-    async def drop() -> None:
-        conn = await asyncpg.connect(_dsn(url), timeout=10)
-        try:
-            await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-        finally:
-            await conn.close()
+async def pg_execute(url: str, sql: str) -> None:
+    """Run SQL text (DDL, grants) on a connection of its own, as the URL's user."""
+    conn = await asyncpg.connect(_dsn(url), timeout=10)
+    try:
+        await conn.execute(sql)
+    finally:
+        await conn.close()
 
-    asyncio.run(drop())
+
+def drop_pg_schema(url: str, schema: str) -> None:
+    asyncio.run(pg_execute(url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))

@@ -37,7 +37,7 @@ from lightning_sql.store.sql.check import check_invariants
 from lightning_sql.store.sql.engine import NOTIFY_CHANNEL, UnitContext
 from tests.conftest import PG_URL, BackendSpec
 from tests.contract.test_spans import make_span
-from tests.helpers import FakeClock
+from tests.helpers import FakeClock, pg_execute
 
 pytestmark = pytest.mark.postgres
 
@@ -245,24 +245,13 @@ def wire(pg_backend: BackendSpec) -> Iterator[tuple[WireCounter, str, str]]:
 def wire_own_database(wire: tuple[WireCounter, str, str]) -> Iterator[tuple[WireCounter, str, str]]:
     """``wire`` on a database of its own: NOTIFY is per database, and a test that counts
     notifications must not hear other stores (another test run, a benchmark) on the shared one."""
-    import asyncpg
-
     counter, url, schema = wire
     name = f"lsql_notify_{uuid.uuid4().hex[:10]}"
-    admin = make_url(PG_URL).set(drivername="postgresql").render_as_string(False)
-
-    async def run(sql: str) -> None:
-        conn = await asyncpg.connect(admin)
-        try:
-            await conn.execute(sql)
-        finally:
-            await conn.close()
-
-    asyncio.run(run(f'CREATE DATABASE "{name}"'))
+    asyncio.run(pg_execute(PG_URL, f'CREATE DATABASE "{name}"'))
     try:
         yield counter, make_url(url).set(database=name).render_as_string(False), schema
     finally:
-        asyncio.run(run(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        asyncio.run(pg_execute(PG_URL, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
 def _listen_url(store_url: str) -> str:

@@ -20,6 +20,7 @@ from click.testing import CliRunner
 from lightning_sql import SqlLightningStore, StoreUnavailableError
 from tests.conftest import PG_URL, BackendSpec
 from tests.faults.support import assert_consistent, make_span
+from tests.helpers import pg_execute
 
 SECRET = "s3cret"
 DEAD_URL = f"postgresql://user:{SECRET}@127.0.0.1:1/x"  # nothing listens on port 1
@@ -70,14 +71,6 @@ GRANT SELECT ON ALL TABLES IN SCHEMA {schema} TO {reader};
 """
 
 
-async def _admin(sql: str) -> None:
-    conn = await asyncpg.connect(PG_URL)
-    try:
-        await conn.execute(sql)
-    finally:
-        await conn.close()
-
-
 def _as(role: str) -> str:
     return PG_URL.replace("postgres@", f"{role}:pw-{role}@", 1)
 
@@ -87,13 +80,13 @@ async def test_writer_and_read_only_roles(pg_backend: BackendSpec) -> None:
     writer, reader = f"lsql_writer_{suffix}", f"lsql_reader_{suffix}"
     schema = pg_backend.schema
     assert schema is not None
-    await _admin(f"CREATE ROLE {writer} LOGIN PASSWORD 'pw-{writer}'; CREATE ROLE {reader} LOGIN PASSWORD 'pw-{reader}'")
+    await pg_execute(PG_URL, f"CREATE ROLE {writer} LOGIN PASSWORD 'pw-{writer}'; CREATE ROLE {reader} LOGIN PASSWORD 'pw-{reader}'")
     try:
         # The owner (a migration role) creates and upgrades the schema once.
         owner = pg_backend.open(run="roles", clock_sync=False)
         await owner.list_runs()
         await owner.close()
-        await _admin(WRITER_GRANTS.format(schema=schema, writer=writer) + READER_GRANTS.format(schema=schema, reader=reader))
+        await pg_execute(PG_URL, WRITER_GRANTS.format(schema=schema, writer=writer) + READER_GRANTS.format(schema=schema, reader=reader))
 
         # Writer: the full lifecycle, no DDL privileges needed.
         store = SqlLightningStore(_as(writer), run="roles", schema=schema, auto_migrate=False)
@@ -162,6 +155,7 @@ async def test_writer_and_read_only_roles(pg_backend: BackendSpec) -> None:
         finally:
             await sneaky.close()
     finally:
-        await _admin(
+        await pg_execute(
+            PG_URL,
             f"DROP OWNED BY {writer}; DROP OWNED BY {reader}; DROP ROLE IF EXISTS {writer}; DROP ROLE IF EXISTS {reader}"
         )

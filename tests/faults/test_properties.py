@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import asyncpg
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -25,6 +24,7 @@ from hypothesis import strategies as st
 from lightning_sql import SqlLightningStore
 from tests.conftest import PG_URL, BackendSpec, require_postgres
 from tests.faults.support import int_knob, make_span
+from tests.helpers import pg_execute
 
 pytestmark = pytest.mark.slow
 
@@ -483,14 +483,7 @@ def test_span_names_sort_by_code_point_under_a_locale_collation() -> None:
     require_postgres()
     dbname = f"lsql_icu_{uuid.uuid4().hex[:8]}"
 
-    async def admin(sql: str) -> None:
-        conn = await asyncpg.connect(PG_URL)
-        try:
-            await conn.execute(sql)
-        finally:
-            await conn.close()
-
-    asyncio.run(admin(f"CREATE DATABASE {dbname} TEMPLATE template0 LOCALE_PROVIDER icu ICU_LOCALE 'en-US' LOCALE 'C.UTF-8'"))
+    asyncio.run(pg_execute(PG_URL, f"CREATE DATABASE {dbname} TEMPLATE template0 LOCALE_PROVIDER icu ICU_LOCALE 'en-US' LOCALE 'C.UTF-8'"))
     try:
         url = PG_URL.rsplit("/", 1)[0] + f"/{dbname}"
         names = ["a", "B", "_x", "b"]
@@ -509,4 +502,4 @@ def test_span_names_sort_by_code_point_under_a_locale_collation() -> None:
 
         assert asyncio.run(example()) == sorted(names)
     finally:
-        asyncio.run(admin(f"DROP DATABASE IF EXISTS {dbname} WITH (FORCE)"))
+        asyncio.run(pg_execute(PG_URL, f"DROP DATABASE IF EXISTS {dbname} WITH (FORCE)"))
