@@ -11,13 +11,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import BaseModel
 from sqlalchemy import func, insert, select
 from sqlalchemy.exc import DBAPIError
 
 from lightning_sql import SqlLightningStore
 from lightning_sql.store.sql import engine as eng
 from lightning_sql.store.sql import fastexec
+from lightning_sql.store.sql import rows as rows_module
 from lightning_sql.store.sql import schema as s
+from lightning_sql.store.sql import spans as spans_module
 from lightning_sql.store.sql.rows import construct
 from lightning_sql.types import (
     Attempt,
@@ -119,6 +122,79 @@ def test_sqlite_json_fast_path_decodes_and_fails_like_json_loads() -> None:
     with pytest.raises(json.JSONDecodeError):
         process("{")
     assert len(slow_calls) == 4
+
+
+def _deep_state(model: Any) -> Any:
+    """``_state`` of a model and of every model inside its fields (lists included)."""
+
+    def inner(value: Any) -> Any:
+        if isinstance(value, BaseModel):
+            return _deep_state(value)
+        if isinstance(value, list):
+            return [inner(item) for item in value]
+        return value
+
+    values, fields_set, extra, private = _state(model)
+    return [(name, inner(value)) for name, value in values], fields_set, extra, private
+
+
+async def test_span_rows_build_what_the_general_path_builds(store: SqlLightningStore) -> None:
+    """``span_from_row`` assembles a usual span row directly; the result must be the general path's
+    (``construct`` per model) in every detail, on every backend (JSONB reorders keys)."""
+    ar = await store.start_rollout({"q": 1})
+    rid, aid = ar.rollout_id, ar.attempt.attempt_id
+    plain = make_span(rid, aid, 1)
+    rich = make_span(
+        rid,
+        aid,
+        2,
+        parent_id="00000000000000aa",
+        attributes={"z": 1, "a": [1.5, 2.5], "s": "é"},
+        extra_field={"nested": [1, {"x": "y"}]},
+        flag=True,
+    )
+    rich.status = TraceStatus(status_code="ERROR", description="boom")
+    rich.parent = SpanContext(trace_id=rich.trace_id, span_id="00000000000000aa", is_remote=True, trace_state={"v": "1"})
+    rich.events = [Event(name="ev", attributes={"n": 1}, timestamp=3.0), Event(name="bare", attributes={})]
+    rich.links = [Link(context=plain.context, attributes={"l": "x"}), Link(context=plain.context)]
+    rich.resource = OtelResource(attributes={"service.name": "svc", "n": 2}, schema_url="https://x")
+    bare = make_span(rid, aid, 3, start_time=None, end_time=None, attributes={})
+    bare.context = None
+    await store.add_many_spans([plain, rich, bare])
+
+    captured: list[Any] = []
+    real = rows_module.span_from_row
+
+    def capture(row: Any) -> Any:
+        captured.append(row)
+        return real(row)
+
+    general_calls: list[Any] = []
+    general = rows_module._span_from_mapping
+
+    def count_general(m: Any) -> Any:
+        general_calls.append(m)
+        return general(m)
+
+    spans_module.span_from_row = capture  # type: ignore[assignment]
+    rows_module._span_from_mapping = count_general  # type: ignore[assignment]
+    try:
+        got = list(await store.query_spans(rid))
+    finally:
+        spans_module.span_from_row = real  # type: ignore[assignment]
+        rows_module._span_from_mapping = general  # type: ignore[assignment]
+    assert general_calls == []  # the usual rows took the direct path
+    assert [s.sequence_id for s in got] == [1, 2, 3]
+    assert got == [plain, rich, bare]
+    for row, span in zip(captured, got, strict=True):
+        built = general(rows_module._mapping(row))
+        assert _deep_state(span) == _deep_state(built)
+        assert repr(span) == repr(built)
+        assert span.model_dump() == built.model_dump()
+    assert got[1].model_extra == {"extra_field": {"nested": [1, {"x": "y"}]}, "flag": True}
+    # Rows of another shape (a plain mapping, extra fields missing) take the general path.
+    as_dict = dict(rows_module._mapping(captured[0]))
+    assert _deep_state(rows_module.span_from_row(as_dict)) == _deep_state(got[0])
 
 
 # --- inline reads -----------------------------------------------------------------------------
