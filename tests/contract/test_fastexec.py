@@ -80,3 +80,79 @@ async def test_missing_parameter_raises_sqlalchemys_error(store: Any) -> None:
 
     with pytest.raises(Exception, match="r_rollout_id"):
         await store._call("test", unit, write=False)
+
+
+# --- PostgreSQL: asyncpg without SQLAlchemy's cursor adapter -------------------------------------
+
+
+def test_command_status_row_counts() -> None:
+    assert fastexec._status_rowcount("UPDATE 3") == 3
+    assert fastexec._status_rowcount("DELETE 0") == 0
+    assert fastexec._status_rowcount("SELECT 12") == 12
+    assert fastexec._status_rowcount("INSERT 0 5") == 5
+    for other in ("BEGIN", "MERGE 2", "", None, "UPDATE x"):
+        assert fastexec._status_rowcount(other) == -1
+
+
+_ATTEMPT_INSERT = cached(("test_fastexec_attempt_insert",), lambda: A.insert())
+_MARK = cached(
+    ("test_fastexec_mark",),
+    lambda: update(R).where(R.c.run_id == bindparam("t_run_id"), R.c.rollout_id == bindparam("t_id")).values(
+        status="failed"
+    ),
+)
+
+
+async def test_postgres_runs_prebuilt_statements_on_asyncpg_directly(store: Any, backend: Any, monkeypatch) -> None:
+    """On PostgreSQL a prebuilt statement skips SQLAlchemy's cursor adapter; its results, errors and
+    transaction are the adapter's: a constraint violation is SQLAlchemy's IntegrityError, and a
+    write of a unit that fails is rolled back with the rest of the unit."""
+    if backend.name != "postgres":
+        pytest.skip("asyncpg only")
+    direct: list[str] = []
+    real = fastexec._execute_asyncpg
+
+    def spy(conn: Any, adapter: Any, plan: Any, sql: str, params: Any) -> Any:
+        direct.append(sql)
+        return real(conn, adapter, plan, sql, params)
+
+    monkeypatch.setattr(fastexec, "_execute_asyncpg", spy)
+    (queued,) = await store.enqueue_many_rollouts([EnqueueRolloutRequest(input={"task": 1})])
+    ar = await store.dequeue_rollout(worker_id="w")
+    assert ar is not None and ar.rollout_id == queued.rollout_id
+
+    def duplicate(ctx: Any, run_id: int, _now: float) -> None:
+        row = {
+            "run_id": run_id,
+            "rollout_id": ar.rollout_id,
+            "attempt_id": ar.attempt.attempt_id,
+            "sequence_id": 1,
+            "status": "preparing",
+            "worker_id": None,
+            "start_time": 1.0,
+        }
+        fastexec.execute(ctx.conn, _ATTEMPT_INSERT, row)
+
+    direct.clear()
+    with pytest.raises(Exception) as fast_error:
+        await store._call("test", duplicate, write=True)
+    assert len(direct) == 1
+    real_direct = fastexec._asyncpg_direct
+    monkeypatch.setattr(fastexec, "_asyncpg_direct", lambda _conn: False)  # the cursor adapter's way
+    with pytest.raises(Exception) as slow_error:
+        await store._call("test", duplicate, write=True)
+    monkeypatch.setattr(fastexec, "_asyncpg_direct", real_direct)
+    assert len(direct) == 1
+    assert type(fast_error.value) is type(slow_error.value)
+    assert type(fast_error.value).__name__ == "IntegrityError"
+    assert type(fast_error.value.orig) is type(slow_error.value.orig)  # type: ignore[attr-defined]
+
+    def mark_then_fail(ctx: Any, run_id: int, _now: float) -> None:
+        assert fastexec.execute(ctx.conn, _MARK, {"t_run_id": run_id, "t_id": ar.rollout_id}).rowcount == 1
+        raise RuntimeError("after the write")
+
+    direct.clear()
+    with pytest.raises(RuntimeError, match="after the write"):
+        await store._call("test", mark_then_fail, write=True)
+    assert len(direct) == 1  # the write went the direct way ...
+    assert (await store.get_rollout_by_id(ar.rollout_id)).status == "preparing"  # ... and was rolled back

@@ -28,6 +28,7 @@ from typing import Any
 from sqlalchemy import JSON, Connection
 from sqlalchemy.exc import DBAPIError, MultipleResultsFound, NoResultFound
 from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.util import await_only
 
 from lightning_sql.store.sql.schema import JsonValue
 from lightning_sql.store.sql.statements import is_prebuilt
@@ -49,7 +50,7 @@ class _Plan:
     schema_map: Mapping[str | None, str] | None
     executemany_ok: bool
     returning: bool
-    # SQLite (qmark) only: how to bind without SQLAlchemy's parameter machinery.  ``slots`` has one
+    # How to bind without SQLAlchemy's parameter machinery (``_direct_binding``).  ``slots`` has one
     # entry per placeholder name: (name, bind processor, expanding arity: 0 scalar, 1 list, n tuples).
     slots: tuple[tuple[str, Any, int], ...] | None = None
     defaults: Mapping[str, Any] | None = None
@@ -149,7 +150,7 @@ def _plan_for(
     elif compiled.effective_returning or compiled.isplaintext:
         return None
     returning = bool(compiled.effective_returning or compiled._result_columns)
-    slots, defaults, pieces = _qmark_binding(compiled, dialect, schema_map)
+    slots, defaults, pieces = _direct_binding(compiled, dialect, schema_map)
     return _Plan(
         slots=slots,
         defaults=defaults,
@@ -250,11 +251,12 @@ def _lookup(conn: Connection, stmt: Any, first_params: Mapping[str, Any] | None)
         return _plans.setdefault(key, plan)
 
 
-def _qmark_binding(
+def _direct_binding(
     compiled: SQLCompiler, dialect: Any, schema_map: Mapping[str | None, str] | None
 ) -> tuple[tuple[tuple[str, Any, int], ...] | None, dict[str, Any] | None, tuple[str, ...] | None]:
-    """Precompute SQLite's binding: placeholder order, processors, defaults, expansion points."""
-    if dialect.paramstyle != "qmark" or compiled.literal_execute_params:
+    """Precompute the binding: placeholder order, processors, defaults, and (SQLite) expansion points.
+    Other positional paramstyles (asyncpg's ``$n``) only for statements without expanding parameters."""
+    if compiled.literal_execute_params or (dialect.paramstyle != "qmark" and compiled.post_compile_params):
         return None, None, None
     slots: list[tuple[str, Any, int]] = []
     defaults: dict[str, Any] = {}
@@ -285,8 +287,8 @@ def _qmark_binding(
     return tuple(slots), defaults, tuple(pieces)
 
 
-def _qmark_positional(plan: _Plan, params: Mapping[str, Any]) -> tuple[str, list[Any]] | None:
-    """SQLite's text and parameters straight from ``params``; None to take SQLAlchemy's path (a
+def _direct_positional(plan: _Plan, params: Mapping[str, Any]) -> tuple[str, list[Any]] | None:
+    """The text and parameters straight from ``params``; None to take SQLAlchemy's path (a
     missing value, an empty IN list) so that its errors and special cases stay exactly its own."""
     assert plan.slots is not None and plan.defaults is not None and plan.pieces is not None
     out: list[Any] = []
@@ -329,7 +331,7 @@ def _qmark_positional(plan: _Plan, params: Mapping[str, Any]) -> tuple[str, list
 def _positional(plan: _Plan, params: Mapping[str, Any]) -> tuple[str, list[Any]]:
     """The SQL text and positional parameters of one execution."""
     if plan.slots is not None:
-        fast = _qmark_positional(plan, params)
+        fast = _direct_positional(plan, params)
         if fast is not None:
             return fast
     compiled = plan.compiled
@@ -375,6 +377,8 @@ def execute(conn: Connection, stmt: Any, params: Mapping[str, Any] | Sequence[Ma
         sql, positional = batches[0][0], [b[1] for b in batches]
     else:
         sql, positional = _positional(plan, single)
+    if many is None and _asyncpg_direct(dbapi_conn):
+        return _execute_asyncpg(conn, dbapi_conn, plan, sql, positional)
     cursor = dbapi_conn.cursor()
     try:
         raw: list[Any] = []
@@ -391,28 +395,98 @@ def execute(conn: Connection, stmt: Any, params: Mapping[str, Any] | Sequence[Ma
         else:
             cursor.executemany(sql, positional)
             rowcount = cursor.rowcount
-        rows: list[Any] = []
-        if plan.row_class is not None:
-            make = plan.row_class._make
-            procs = plan.result_processors
-            if procs is False or procs is True:
-                procs = _result_processors(conn, plan, cursor.description)
-            if procs is None:
-                rows = [make(r) for r in raw]
-            else:
-                rows = [make([v if p is None else p(v) for p, v in zip(procs, r, strict=True)]) for r in raw]
-        return FastResult(rows, rowcount)
+        return FastResult(_rows(conn, plan, raw, lambda: cursor.description), rowcount)
     except conn.dialect.loaded_dbapi.Error as exc:
-        invalidated = conn.dialect.is_disconnect(exc, dbapi_conn, cursor)
-        if invalidated:
-            conn.invalidate(exc)
-        raise DBAPIError.instance(
-            sql,
-            positional,
-            exc,
-            conn.dialect.loaded_dbapi.Error,
-            connection_invalidated=invalidated,
-            dialect=conn.dialect,
-        ) from exc
+        raise _translated(conn, dbapi_conn, cursor, sql, positional, exc) from exc
     finally:
         cursor.close()
+
+
+def _rows(conn: Connection, plan: _Plan, raw: Sequence[Any], description: Any) -> list[Any]:
+    """The driver's rows as the plan's row class, through the result processors (worked out from
+    ``description()`` at the plan's first execution)."""
+    if plan.row_class is None:
+        return []
+    make = plan.row_class._make
+    procs = plan.result_processors
+    if procs is False or procs is True:
+        procs = _result_processors(conn, plan, description())
+    if procs is None:
+        return [make(r) for r in raw]
+    return [make([v if p is None else p(v) for p, v in zip(procs, r, strict=True)]) for r in raw]
+
+
+def _translated(conn: Connection, dbapi_conn: Any, cursor: Any, sql: str, params: Any, exc: Any) -> Exception:
+    """SQLAlchemy's error for a driver error of a raw execution; a lost connection is invalidated."""
+    invalidated = conn.dialect.is_disconnect(exc, dbapi_conn, cursor)
+    if invalidated:
+        conn.invalidate(exc)
+    return DBAPIError.instance(
+        sql,
+        params,
+        exc,
+        conn.dialect.loaded_dbapi.Error,
+        connection_invalidated=invalidated,
+        dialect=conn.dialect,
+    )
+
+
+# --- asyncpg without SQLAlchemy's cursor adapter ------------------------------------------------
+#
+# SQLAlchemy's asyncpg cursor costs ~15-20 µs of Python per statement on top of asyncpg (a lock, a
+# result description list, a deque, a regular expression on the status line).  For one execution
+# of a prebuilt statement, ``_execute_asyncpg`` does what its ``_prepare_and_execute`` does through
+# the same adapter connection: the same lock, the same lazily started transaction, the same
+# prepared-statement cache, the same translation of asyncpg's errors.  It relies on private names of
+# SQLAlchemy's adapter (2.0 and 2.1 have them alike); an adapter without them takes the cursor path.
+_ASYNCPG_ADAPTER_NAMES = ("_connection", "_execute_mutex", "_transaction", "_start_transaction", "_prepare", "_handle_exception")
+_asyncpg_adapters: dict[type, bool] = {}
+
+
+def _asyncpg_direct(dbapi_conn: Any) -> bool:
+    kind = type(dbapi_conn)
+    known = _asyncpg_adapters.get(kind)
+    if known is None:
+        known = kind.__name__ == "AsyncAdapt_asyncpg_connection" and all(
+            hasattr(dbapi_conn, name) for name in _ASYNCPG_ADAPTER_NAMES
+        )
+        _asyncpg_adapters[kind] = known
+    return known
+
+
+async def _asyncpg_run(adapter: Any, sql: str, params: Sequence[Any]) -> tuple[list[Any], str | None, Any]:
+    async with adapter._execute_mutex:
+        if adapter._transaction is None:
+            await adapter._start_transaction()
+        try:
+            prepared, attributes = await adapter._prepare(sql, 0)
+            rows = await prepared.fetch(*params)
+            return rows, prepared.get_statusmsg(), attributes
+        except Exception as error:  # noqa: BLE001 - translated (and re-raised) as the cursor does
+            adapter._handle_exception(error)
+            raise  # unreachable: _handle_exception raises
+
+
+def _status_rowcount(status: str | None) -> int:
+    """The row count of a command status ("UPDATE 3", "INSERT 0 2", "SELECT 5"), else -1 (the
+    cursor's rule)."""
+    parts = (status or "").split()
+    if len(parts) == 2 and parts[0] in ("SELECT", "UPDATE", "DELETE") and parts[1].isdigit():
+        return int(parts[1])
+    if len(parts) == 3 and parts[0] == "INSERT" and parts[1].isdigit() and parts[2].isdigit():
+        return int(parts[2])
+    return -1
+
+
+def _execute_asyncpg(conn: Connection, adapter: Any, plan: _Plan, sql: str, params: Sequence[Any]) -> FastResult:
+    try:
+        raw, status, attributes = await_only(_asyncpg_run(adapter, sql, params))
+    except conn.dialect.loaded_dbapi.Error as exc:
+        raise _translated(conn, adapter, None, sql, params, exc) from exc
+
+    def description() -> Any:
+        if not attributes:
+            return None
+        return [(attr.name, attr.type.oid, None, None, None, None, None) for attr in attributes]
+
+    return FastResult(_rows(conn, plan, raw, description), _status_rowcount(status))
