@@ -74,3 +74,15 @@ async def test_runner_reports_medians_ratios_and_failed_checks() -> None:
     failing = CaseResult(Case("W1", "fake", lifecycle, ("sqlite",)))
     failing.runs["sqlite"] = [Measurement({"rollouts/s": 1.0}, ["boom"])]
     assert format_case(failing)[0] == "W1 fake"
+
+
+async def test_per_call_diagnostic_runs_and_reports() -> None:
+    from benchmarks import percall
+
+    with tempfile.TemporaryDirectory() as workdir:
+        async with tg.open_target("sqlite", workdir) as target:
+            figures = await percall.measure(target, 12, 3)
+    assert list(figures) == list(percall.CALLS)
+    assert all(rate > 0 and cpu >= 0 for rate, cpu in figures.values())
+    lines = percall.report({"sqlite": {call: [f] for call, f in figures.items()}}, 3, 12)
+    assert lines[1].strip() == "sqlite" and "W1 lifecycle" in lines[-1]
