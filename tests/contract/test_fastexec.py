@@ -156,3 +156,26 @@ async def test_postgres_runs_prebuilt_statements_on_asyncpg_directly(store: Any,
         await store._call("test", mark_then_fail, write=True)
     assert len(direct) == 1  # the write went the direct way ...
     assert (await store.get_rollout_by_id(ar.rollout_id)).status == "preparing"  # ... and was rolled back
+
+
+async def test_event_listeners_see_every_statement(store: Any) -> None:
+    """With a ``before_cursor_execute`` listener (a statement counter, OpenTelemetry's SQLAlchemy
+    instrumentation) prebuilt statements take SQLAlchemy's path, so the listener sees them."""
+    from sqlalchemy import event
+
+    ar = await store.start_rollout({"q": 1})
+    pair = (ar.rollout_id, ar.attempt.attempt_id)
+    await store.get_many_span_sequence_ids([pair])  # warm-up: schema, run
+    engine = store._worker._engine
+    engine = getattr(engine, "sync_engine", engine)
+    seen: list[str] = []
+
+    def before(conn: Any, cursor: Any, statement: str, *_args: Any) -> None:
+        seen.append(statement)
+
+    event.listen(engine, "before_cursor_execute", before)
+    try:
+        assert list(await store.get_many_span_sequence_ids([pair])) == [2]  # a prebuilt UPDATE
+    finally:
+        event.remove(engine, "before_cursor_execute", before)
+    assert any(sql.lstrip().upper().startswith("UPDATE") and "rollouts" in sql for sql in seen), seen

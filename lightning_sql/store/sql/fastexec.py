@@ -11,7 +11,8 @@ What stays SQLAlchemy's: the connection and its transaction (a raw execution fir
 ``Connection`` has begun one, so ``commit()``/``rollback()`` behave as before), error translation
 (driver errors are re-raised as SQLAlchemy's ``DBAPIError`` subclasses, and a lost connection is
 invalidated) and every statement this module declines: statements built per call, ``echo=True``
-engines, Python-side column defaults, and multi-row parameters on PostgreSQL (SQLite runs them
+engines and engines or connections with event listeners (``before_cursor_execute`` and the like:
+whoever listens sees every statement), Python-side column defaults, and multi-row parameters on PostgreSQL (SQLite runs them
 as ``executemany``, or one ``execute`` per row with ``RETURNING``).
 """
 
@@ -356,7 +357,10 @@ def _positional(plan: _Plan, params: Mapping[str, Any]) -> tuple[str, list[Any]]
 
 def execute(conn: Connection, stmt: Any, params: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None) -> Any:
     """``conn.execute(stmt, params)``, straight on the driver when ``stmt`` is a prebuilt statement."""
-    if not is_prebuilt(stmt) or conn.engine.echo:
+    engine = conn.engine
+    if not is_prebuilt(stmt) or engine.echo or engine._has_events or conn._has_events:
+        # Echo and connection-event listeners (statement counters, OpenTelemetry's SQLAlchemy
+        # instrumentation) see every statement: SQLAlchemy's own path.
         return conn.execute(stmt, params)  # type: ignore[arg-type]
     many: list[Mapping[str, Any]] | None = None
     if isinstance(params, (list, tuple)):
