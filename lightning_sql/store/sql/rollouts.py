@@ -11,9 +11,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import bindparam, func, select, tuple_, update
+from sqlalchemy import ColumnElement, bindparam, func, select, tuple_, update
 
 from lightning_sql.store.sql import dialect as d
+from lightning_sql.store.sql import filters as f
 from lightning_sql.store.sql import schema as s
 from lightning_sql.store.sql.engine import EncodedJson, UnitContext
 from lightning_sql.store.sql.rows import (
@@ -29,6 +30,7 @@ from lightning_sql.types import (
     QUEUED_STATUSES,
     Attempt,
     AttemptedRollout,
+    PaginatedResult,
     Rollout,
     RolloutConfig,
     RolloutMode,
@@ -689,6 +691,85 @@ _LATEST_ATTEMPTS = select(A).where(
 def with_latest_attempts(ctx: UnitContext, run_id: int, rows: Sequence[Any]) -> list[Rollout | AttemptedRollout]:
     attempts = latest_attempts(ctx, run_id, rows)
     return [attempted(row, attempts.get(row.rollout_id)) for row in rows]
+
+
+def _membership(values: list[str] | None) -> bool | None:
+    """A list filter's shape: None no filter, True a bound list, False nothing can match."""
+    if values is None:
+        return None
+    return bool(values)
+
+
+def _rollout_query(ctx: UnitContext, shape: tuple[Any, ...]) -> tuple[Any, Any]:
+    """(page statement, count statement) of ``query_rollouts`` for one shape, ``q_*`` placeholders."""
+    status, ids, contains, keys, logic, sort_by, sort_order, has_limit, has_offset = shape
+    conditions: list[ColumnElement[bool]] = []
+    for column, name, kind in ((R.c.status, "q_status", status), (R.c.rollout_id, "q_ids", ids)):
+        if kind is not None:
+            conditions.append(column.in_(bindparam(name, expanding=True)) if kind else f.false())
+    if contains is not None:
+        conditions.append(d.contains(ctx, R.c.rollout_id, bindparam("q_contains")) if contains else f.false())
+    if keys is not None:
+        conditions.append(R.c.idempotency_key.in_(bindparam("q_keys", expanding=True)) if keys else f.false())
+    where = [R.c.run_id == bindparam("q_run_id")]
+    if conditions:
+        where.append(f.pool(conditions, logic))
+    order = f.order_by(f.ROLLOUT_SORT, sort_by, sort_order)
+    page = select(*ROLLOUT_COLUMNS, R.c.attempt_count).where(*where).order_by(*order)
+    if has_limit:
+        page = page.limit(bindparam("q_limit"))
+    if has_offset:
+        page = page.offset(bindparam("q_offset"))
+    return page, select(func.count()).select_from(R).where(*where)
+
+
+def query_rollouts(
+    ctx: UnitContext,
+    run_id: int,
+    status_in: list[str] | None,
+    rollout_id_in: list[str] | None,
+    rollout_id_contains: str | None,
+    idempotency_key_in: list[str] | None,
+    filter_logic: str,
+    limit: int,
+    offset: int,
+    sort_by: str | None,
+    sort_order: str,
+) -> PaginatedResult[Rollout | AttemptedRollout]:
+    """One page of the run's rollouts (each with its latest attempt) and the number of matches,
+    through a statement prebuilt per query shape (which filters are present, sort, pagination).
+    Ids and keys that could not be stored match nothing."""
+    ids = None if rollout_id_in is None else [v for v in rollout_id_in if is_storable_text(v)]
+    keys = None if idempotency_key_in is None else [v for v in idempotency_key_in if is_storable_text(v)]
+    contains = None if rollout_id_contains is None else is_storable_text(rollout_id_contains)
+    shape = (
+        _membership(status_in),
+        _membership(ids),
+        contains,
+        _membership(keys),
+        filter_logic,
+        sort_by,
+        sort_order,
+        limit != -1,
+        offset != 0,
+    )
+    page, count = cached(("query_rollouts", ctx.dialect, shape), lambda: _rollout_query(ctx, shape))
+    params: dict[str, Any] = {"q_run_id": run_id}
+    for name, values in (("q_status", status_in), ("q_ids", ids), ("q_keys", keys)):
+        if values:
+            params[name] = values
+    if contains:
+        params["q_contains"] = rollout_id_contains
+    if limit != -1:
+        params["q_limit"] = limit
+    if offset != 0:
+        params["q_offset"] = offset
+    rows = ctx.execute(page, params).all() if limit != 0 else []
+    if limit == -1 and offset == 0:
+        total = len(rows)
+    else:
+        total = int(ctx.execute(count, params).scalar_one())
+    return PaginatedResult(items=with_latest_attempts(ctx, run_id, rows), limit=limit, offset=offset, total=total)
 
 
 def get_rollout(ctx: UnitContext, run_id: int, rollout_id: str) -> Rollout | AttemptedRollout | None:

@@ -34,7 +34,6 @@ from lightning_sql.store.sql.engine import (
 )
 from lightning_sql.store.sql.instance import StoreInstance
 from lightning_sql.store.sql.rows import (
-    ROLLOUT_COLUMNS,
     attempt_from_row,
     encoded,
     resources_from_row,
@@ -383,30 +382,18 @@ class SqlLightningStore(StoreInstance, LightningStore):
             raise TypeError("rollout_id_contains must be a str or None")
 
         def unit(ctx: UnitContext, run_id: int, now: float) -> PaginatedResult[Rollout | AttemptedRollout]:
-            R = s.rollouts
-            conditions = []
-            if status_list is not None:
-                conditions.append(f.within(R.c.status, status_list))
-            if id_list is not None:
-                conditions.append(f.within(R.c.rollout_id, [v for v in id_list if is_storable_text(v)]))
-            if rollout_id_contains is not None:
-                conditions.append(
-                    d.contains(ctx, R.c.rollout_id, rollout_id_contains) if is_storable_text(rollout_id_contains) else f.false()
-                )
-            if key_list is not None:
-                conditions.append(f.within(R.c.idempotency_key, [v for v in key_list if is_storable_text(v)]))
-            where = [R.c.run_id == run_id]
-            if conditions:
-                where.append(f.pool(conditions, filter_logic))
-            return _paginate(
+            return ro.query_rollouts(
                 ctx,
-                select(*ROLLOUT_COLUMNS, R.c.attempt_count).where(*where),
-                R,
-                where,
-                f.order_by(f.ROLLOUT_SORT, sort_by, sort_order),
+                run_id,
+                status_list,
+                id_list,
+                rollout_id_contains,
+                key_list,
+                filter_logic,
                 limit,
                 offset,
-                lambda rows: ro.with_latest_attempts(ctx, run_id, rows),
+                sort_by,
+                sort_order,
             )
 
         return await self._call("query_rollouts", unit, write=False, sweeps=True)
