@@ -18,6 +18,7 @@ from sqlalchemy.exc import DBAPIError
 from lightning_sql import SqlLightningStore
 from lightning_sql.store.sql import engine as eng
 from lightning_sql.store.sql import fastexec
+from lightning_sql.store.sql import rollouts as ro_module
 from lightning_sql.store.sql import rows as rows_module
 from lightning_sql.store.sql import schema as s
 from lightning_sql.store.sql import spans as spans_module
@@ -195,6 +196,104 @@ async def test_span_rows_build_what_the_general_path_builds(store: SqlLightningS
     # Rows of another shape (a plain mapping, extra fields missing) take the general path.
     as_dict = dict(rows_module._mapping(captured[0]))
     assert _deep_state(rows_module.span_from_row(as_dict)) == _deep_state(got[0])
+
+
+async def test_rollout_rows_build_what_the_general_path_builds(store: SqlLightningStore) -> None:
+    """``attempted`` and ``attempt_from_row`` assemble usual rows directly; the results must be the
+    general path's (``construct`` per model) in every detail, on every backend."""
+    config = RolloutConfig(timeout_seconds=5.0, unresponsive_seconds=2.5, max_attempts=3, retry_condition=["failed"])
+    plain = await store.enqueue_rollout({"task": 1})
+    rich = await store.enqueue_rollout(
+        {"task": [1, {"k": "é"}]}, mode="train", config=config, metadata={"m": [1, 2]}, idempotency_key="key-1"
+    )
+    claimed = await store.dequeue_rollout(worker_id="w")
+    assert claimed is not None and claimed.rollout_id == plain.rollout_id
+    await store.update_attempt(plain.rollout_id, claimed.attempt.attempt_id, status="failed", metadata={"x": 1})
+
+    built: list[tuple[Any, Any]] = []
+    real_attempted, real_attempt = ro_module.attempted, ro_module.attempt_from_row
+    general_calls: list[Any] = []
+    general = rows_module._attempted_from_mapping
+
+    def capture(row: Any, attempt: Any) -> Any:
+        built.append((row, attempt))
+        return real_attempted(row, attempt)
+
+    def count_general(m: Any, attempt: Any) -> Any:
+        general_calls.append(m)
+        return general(m, attempt)
+
+    ro_module.attempted = capture  # type: ignore[assignment]
+    rows_module._attempted_from_mapping = count_general  # type: ignore[assignment]
+    try:
+        got = list(await store.query_rollouts())
+    finally:
+        ro_module.attempted = real_attempted  # type: ignore[assignment]
+        rows_module._attempted_from_mapping = general  # type: ignore[assignment]
+    assert general_calls == []  # the usual rows took the direct path
+    assert [r.rollout_id for r in got] == [plain.rollout_id, rich.rollout_id]
+    assert type(got[0]) is AttemptedRollout and type(got[1]) is Rollout
+    assert got[1].config == config and got[1].metadata == {"m": [1, 2]} and got[1].idempotency_key == "key-1"
+    for (row, attempt), rollout in zip(built, got, strict=True):
+        expected = general(rows_module._mapping(row), attempt)
+        assert _deep_state(rollout) == _deep_state(expected)
+        assert repr(rollout) == repr(expected)
+        assert rollout.model_dump() == expected.model_dump()
+    attempt = got[0].attempt  # type: ignore[union-attr]
+    assert attempt.status == "failed" and attempt.metadata == {"x": 1}
+
+    def attempt_rows(ctx: Any, run_id: int, _now: float) -> list[Any]:
+        return ctx.execute(select(s.attempts).where(s.attempts.c.run_id == run_id)).all()
+
+    (arow,) = await store._call("test", attempt_rows, write=False)
+    m = rows_module._mapping(arow)
+    expected_attempt = construct(Attempt, {name: m[name] for name in Attempt.model_fields})
+    assert _deep_state(real_attempt(arow)) == _deep_state(expected_attempt) == _deep_state(attempt)
+    as_dict = dict(rows_module._mapping(built[1][0]))  # another row shape: the general path
+    assert _deep_state(rows_module.attempted(as_dict, None)) == _deep_state(got[1])
+
+
+def test_span_values_encode_what_model_dump_gives() -> None:
+    """``span_values`` encodes sub-models from their fields' dict when it can; the stored text must
+    be that of ``model_dump()`` for plain models, models with extras and subclasses alike."""
+    from lightning_sql.types import encode_json
+
+    class TaggedContext(SpanContext):
+        tag: str = "t"
+
+    rich = make_span("r", "a", 1, parent_id="00000000000000aa", extra_field={"n": [1]})
+    rich.status = TraceStatus(status_code="ERROR", description="boom", code_detail=7)  # an extra field
+    rich.parent = TaggedContext(trace_id=rich.trace_id, span_id="00000000000000aa", is_remote=True, trace_state={})
+    rich.resource = OtelResource(attributes={"service.name": "svc"}, schema_url="u")
+    bare = make_span("r", "a", 2)
+    bare.context = None
+    for span in (rich, bare):
+        row = rows_module.span_values(span, 1)
+        extra = {
+            "status": span.status.model_dump(),
+            "context": None if span.context is None else span.context.model_dump(),
+            "parent": None if span.parent is None else span.parent.model_dump(),
+            **(span.model_extra or {}),
+        }
+        assert str(row["extra"]) == encode_json(extra, "x")
+        assert str(row["resource"]) == encode_json(span.resource.model_dump(), "x")
+    assert '"code_detail":7' in str(rows_module.span_values(rich, 1)["extra"])
+    assert '"tag":"t"' in str(rows_module.span_values(rich, 1)["extra"])
+
+
+def test_config_copy_is_a_deep_model_copy() -> None:
+    class Custom(RolloutConfig):
+        note: str = "n"
+
+    for config in (
+        RolloutConfig(),
+        RolloutConfig(timeout_seconds=3.0, max_attempts=2, retry_condition=["failed", "timeout"]),
+        Custom(max_attempts=4, retry_condition=["failed"]),  # a subclass: pydantic's own deep copy
+    ):
+        copied, expected = rows_module.config_copy(config), config.model_copy(deep=True)
+        assert type(copied) is type(config)
+        assert _state(copied) == _state(expected)
+        assert copied.retry_condition is not config.retry_condition
 
 
 # --- inline reads -----------------------------------------------------------------------------

@@ -21,6 +21,8 @@ from lightning_sql.store.sql.rows import (
     ROLLOUT_COLUMNS,
     attempt_from_row,
     attempted,
+    config_copy,
+    construct,
     rollout_from_row,
 )
 from lightning_sql.store.sql.statements import cached, prebuilt
@@ -200,7 +202,7 @@ def enqueue(ctx: UnitContext, run_id: int, now: float, items: Sequence[NewRollou
                     mode=item.mode,
                     resources_id=p["resources_id"],
                     status="queuing",
-                    config=item.config.model_copy(deep=True),
+                    config=config_copy(item.config),
                     metadata=item.metadata_value,
                     resources_version=p["resources_version"],
                     idempotency_key=item.idempotency_key,
@@ -294,7 +296,7 @@ def start_rollout(
         mode=item.mode,
         resources_id=rid,
         status="preparing",
-        config=item.config.model_copy(deep=True),
+        config=config_copy(item.config),
         metadata=item.metadata_value,
         resources_version=version,
         idempotency_key=None,
@@ -415,16 +417,19 @@ def _claim_fresh(
 
 def _attempted_claim(row: Any, attempt_id: str, now: float, worker_id: str | None) -> AttemptedRollout:
     """The claimed rollout (a row with ``attempt_count``) with its fresh ``preparing`` attempt."""
-    attempt = Attempt.model_construct(
-        rollout_id=row.rollout_id,
-        attempt_id=attempt_id,
-        sequence_id=row.attempt_count,
-        start_time=now,
-        end_time=None,
-        status="preparing",
-        worker_id=worker_id,
-        last_heartbeat_time=None,
-        metadata=None,
+    attempt = construct(
+        Attempt,
+        {
+            "rollout_id": row.rollout_id,
+            "attempt_id": attempt_id,
+            "sequence_id": row.attempt_count,
+            "start_time": now,
+            "end_time": None,
+            "status": "preparing",
+            "worker_id": worker_id,
+            "last_heartbeat_time": None,
+            "metadata": None,
+        },
     )
     ar = attempted(row, attempt)
     assert isinstance(ar, AttemptedRollout)
@@ -769,7 +774,8 @@ def query_rollouts(
         total = len(rows)
     else:
         total = int(ctx.execute(count, params).scalar_one())
-    return PaginatedResult(items=with_latest_attempts(ctx, run_id, rows), limit=limit, offset=offset, total=total)
+    items = with_latest_attempts(ctx, run_id, rows)
+    return PaginatedResult(items=items, limit=limit, offset=offset, total=total)
 
 
 def get_rollout(ctx: UnitContext, run_id: int, rollout_id: str) -> Rollout | AttemptedRollout | None:

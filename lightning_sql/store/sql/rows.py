@@ -34,6 +34,7 @@ from lightning_sql.types import (
     check_text,
     encode_json,
 )
+from lightning_sql.types.jsonvalue import MAX_ID_CHARS
 
 ROLLOUT_COLUMNS = [c for c in s.rollouts.c if c.name not in ("run_id", "queue_seq", "span_seq", "attempt_count")]
 ATTEMPT_COLUMNS = [c for c in s.attempts.c if c.name != "run_id"]
@@ -85,6 +86,9 @@ _constructors: dict[type[BaseModel], _Constructor] = {}
 _constructors_lock = threading.Lock()
 
 
+_CONFIG_NAMES = frozenset(RolloutConfig.__pydantic_fields__)
+
+
 def construct(cls: type[M], values: dict[str, Any]) -> M:
     """``cls.model_construct(**values)``, faster (see ``_Constructor``); ``values`` is not modified."""
     try:
@@ -93,6 +97,44 @@ def construct(cls: type[M], values: dict[str, Any]) -> M:
         with _constructors_lock:
             constructor = _constructors.setdefault(cls, _Constructor(cls))
     return constructor(values)  # type: ignore[no-any-return]
+
+
+_new = object.__new__
+_set_dict = object.__setattr__
+_set_fields_set = BaseModel.__dict__["__pydantic_fields_set__"].__set__
+_set_extra = BaseModel.__dict__["__pydantic_extra__"].__set__
+_set_private = BaseModel.__dict__["__pydantic_private__"].__set__
+
+
+class _Exact:
+    """What ``construct`` builds for one model class, with less per-object work: called with a dict
+    that holds exactly the model's fields (as ``model_dump`` wrote it; anything else goes to
+    ``construct``), and the class's names, extras and order for callers that assemble the field dict
+    themselves (``_bare``).  Read-back builds several models per span and per rollout."""
+
+    def __init__(self, cls: type[BaseModel]) -> None:
+        constructor = _Constructor(cls)
+        self.cls = cls
+        self.order = constructor.names
+        self.names = constructor.name_set
+        self.fast = constructor.fast
+        self.extra: dict[str, Any] | None = {} if constructor.allow_extra else None
+
+    def __call__(self, values: dict[str, Any]) -> Any:
+        if not self.fast or len(values) != len(self.order) or values.keys() != self.names:
+            return construct(self.cls, values)
+        return _bare(self.cls, {name: values[name] for name in self.order}, self.names, self.extra)
+
+
+def _bare(
+    cls: type[BaseModel], data: dict[str, Any], names: frozenset[str], extra: dict[str, Any] | None
+) -> Any:
+    obj = _new(cls)
+    _set_dict(obj, "__dict__", data)
+    _set_fields_set(obj, set(names))
+    _set_extra(obj, extra)
+    _set_private(obj, None)
+    return obj
 
 
 def encoded(value: Any, field: str, *, allow_models: bool = False) -> EncodedJson | None:
@@ -118,6 +160,18 @@ def config_from(m: Any) -> RolloutConfig:
     )
 
 
+def config_copy(config: RolloutConfig) -> RolloutConfig:
+    """``config.model_copy(deep=True)``; a plain ``RolloutConfig`` (numbers and a list of str) is
+    copied field by field, for a tenth of the cost (every enqueued rollout copies one)."""
+    if type(config) is not RolloutConfig or config.__pydantic_extra__ or config.__pydantic_private__:
+        return config.model_copy(deep=True)
+    data = dict(config.__dict__)
+    data["retry_condition"] = list(data["retry_condition"])
+    copied = _bare(RolloutConfig, data, _CONFIG_NAMES, None)
+    _set_fields_set(copied, set(config.__pydantic_fields_set__))
+    return copied  # type: ignore[no-any-return]
+
+
 def rollout_fields(m: Any) -> dict[str, Any]:
     return {
         "rollout_id": m["rollout_id"],
@@ -135,20 +189,120 @@ def rollout_fields(m: Any) -> dict[str, Any]:
 
 
 def rollout_from_row(row: Row[Any] | Any) -> Rollout:
-    return construct(Rollout, rollout_fields(_mapping(row)))
+    return attempted(row, None)  # type: ignore[return-value]
 
 
 # Every field of these models is a column of its table (a new field without one fails loudly here).
 _ATTEMPT_FIELDS = tuple(Attempt.model_fields)
+_attempt_columns = operator.attrgetter(*_ATTEMPT_FIELDS)
+_ATTEMPT = _Exact(Attempt)
 
 
 def attempt_from_row(row: Row[Any] | Any) -> Attempt:
+    if _ATTEMPT.fast:
+        try:
+            values = _attempt_columns(row)
+        except AttributeError:
+            pass
+        else:
+            data = dict(zip(_ATTEMPT_FIELDS, values, strict=True))
+            return _bare(Attempt, data, _ATTEMPT.names, _ATTEMPT.extra)  # type: ignore[no-any-return]
     m = _mapping(row)
     return construct(Attempt, {name: m[name] for name in _ATTEMPT_FIELDS})
 
 
+# The rollout row's columns in the order of the Rollout model's fields, the config's four last.
+_rollout_columns = operator.attrgetter(
+    "rollout_id",
+    "input",
+    "start_time",
+    "end_time",
+    "mode",
+    "resources_id",
+    "status",
+    "metadata",
+    "resources_version",
+    "idempotency_key",
+    "timeout_seconds",
+    "unresponsive_seconds",
+    "max_attempts",
+    "retry_condition",
+)
+_CONFIG = _Exact(RolloutConfig)
+_ROLLOUT = _Exact(Rollout)
+_ATTEMPTED = _Exact(AttemptedRollout)
+# Rows are assembled directly (``attempted``) only while the models have exactly the fields spelled
+# out there, in that order, and nothing that needs pydantic's own construction.
+_ROLLOUT_DIRECT = (
+    _CONFIG.fast
+    and _ROLLOUT.fast
+    and _ATTEMPTED.fast
+    and _CONFIG.order == ("timeout_seconds", "unresponsive_seconds", "max_attempts", "retry_condition")
+    and _ROLLOUT.order
+    == (
+        "rollout_id",
+        "input",
+        "start_time",
+        "end_time",
+        "mode",
+        "resources_id",
+        "status",
+        "config",
+        "metadata",
+        "resources_version",
+        "idempotency_key",
+    )
+    and _ATTEMPTED.order == (*_ROLLOUT.order, "attempt")
+)
+
+
 def attempted(rollout_row: Any, attempt: Attempt | None) -> Rollout | AttemptedRollout:
-    fields = rollout_fields(_mapping(rollout_row))
+    """The rollout of a row (with ``attempt_count`` or not) and, if given, its attempt: what
+    ``construct`` builds from ``rollout_fields``, assembled directly from a row with attribute
+    access (query_rollouts builds thousands)."""
+    if _ROLLOUT_DIRECT:
+        try:
+            columns = _rollout_columns(rollout_row)
+            (rid, input_, start, end, mode, rsid, status, metadata, version, key) = columns[:10]
+            (timeout, unresponsive, attempts, retry) = columns[10:]
+        except AttributeError:
+            pass
+        else:
+            config = _bare(
+                RolloutConfig,
+                {
+                    "timeout_seconds": timeout,
+                    "unresponsive_seconds": unresponsive,
+                    "max_attempts": attempts,
+                    "retry_condition": list(retry or []),
+                },
+                _CONFIG.names,
+                _CONFIG.extra,
+            )
+            data = {
+                "rollout_id": rid,
+                "input": input_,
+                "start_time": start,
+                "end_time": end,
+                "mode": mode,
+                "resources_id": rsid,
+                "status": status,
+                "config": config,
+                "metadata": metadata,
+                "resources_version": version,
+                "idempotency_key": key,
+            }
+            if attempt is None:
+                return _bare(Rollout, data, _ROLLOUT.names, _ROLLOUT.extra)  # type: ignore[no-any-return]
+            data["attempt"] = attempt
+            built = _bare(AttemptedRollout, data, _ATTEMPTED.names, _ATTEMPTED.extra)
+            return built  # type: ignore[no-any-return]
+    return _attempted_from_mapping(_mapping(rollout_row), attempt)
+
+
+def _attempted_from_mapping(m: Any, attempt: Attempt | None) -> Rollout | AttemptedRollout:
+    """``attempted`` for any row shape, through ``construct``."""
+    fields = rollout_fields(m)
     if attempt is None:
         return construct(Rollout, fields)
     fields["attempt"] = attempt
@@ -202,17 +356,35 @@ _SPAN_COLUMN_FIELDS = (
 )
 
 
+def _checked_id(value: Any, field: str) -> None:
+    """``check_text(value, field)``, with plain ASCII ids (nearly all) settled inline."""
+    if type(value) is not str or len(value) > MAX_ID_CHARS or "\x00" in value or not value.isascii():
+        check_text(value, field)
+
+
+def _dumped(model: Any, cls: type[BaseModel]) -> Any:
+    """``model.model_dump()`` for encoding only: an instance of exactly ``cls`` without extras is its
+    fields' dict itself (read, never changed, by ``encoded``); anything else is dumped."""
+    if model is None:
+        return None
+    if type(model) is cls and not model.__pydantic_extra__:
+        return model.__dict__
+    return model.model_dump()
+
+
 def span_values(span: Span, run_id: int) -> dict[str, Any]:
     """The row of one span; raises ``TypeError``/``ValueError`` for values JSON cannot hold (§0.4)."""
-    for name in ("rollout_id", "attempt_id", "trace_id", "span_id"):
-        check_text(getattr(span, name), f"span.{name}")
+    _checked_id(span.rollout_id, "span.rollout_id")
+    _checked_id(span.attempt_id, "span.attempt_id")
+    _checked_id(span.trace_id, "span.trace_id")
+    _checked_id(span.span_id, "span.span_id")
     check_text(span.name, "span.name", max_chars=None)
     if span.parent_id is not None:
-        check_text(span.parent_id, "span.parent_id")
+        _checked_id(span.parent_id, "span.parent_id")
     extra: dict[str, Any] = {
-        "status": span.status.model_dump(),
-        "context": span.context.model_dump() if span.context is not None else None,
-        "parent": span.parent.model_dump() if span.parent is not None else None,
+        "status": _dumped(span.status, TraceStatus),
+        "context": _dumped(span.context, SpanContext),
+        "parent": _dumped(span.parent, SpanContext),
     }
     if span.model_extra:
         extra.update(span.model_extra)
@@ -231,49 +403,17 @@ def span_values(span: Span, run_id: int) -> dict[str, Any]:
         "attributes": encoded(span.attributes, "span.attributes"),
         "events": encoded([e.model_dump() for e in span.events], "span.events"),
         "links": encoded([link.model_dump() for link in span.links], "span.links"),
-        "resource": encoded(span.resource.model_dump(), "span.resource"),
+        "resource": encoded(_dumped(span.resource, OtelResource), "span.resource"),
         "extra": encoded(extra, "span.extra"),
     }
 
 
 _SPAN_FIELDS = tuple(Span.__pydantic_fields__)
 # The columns of a span row in the order of the Span model's fields (bar the three kept in "extra").
-_span_columns = operator.attrgetter(*(name for name in _SPAN_FIELDS if name not in ("status", "context", "parent")))
+_span_columns = operator.attrgetter(
+    *(name for name in _SPAN_FIELDS if name not in ("status", "context", "parent"))
+)
 _SPAN_EXTRA_FIELDS = frozenset(("status", "context", "parent"))
-_new = object.__new__
-_set_dict = object.__setattr__
-_set_fields_set = BaseModel.__dict__["__pydantic_fields_set__"].__set__
-_set_extra = BaseModel.__dict__["__pydantic_extra__"].__set__
-_set_private = BaseModel.__dict__["__pydantic_private__"].__set__
-
-
-class _Exact:
-    """What ``construct`` builds for a model whose stored dict holds exactly its fields (as written by
-    ``model_dump``), with less per-object work: span read-back builds four such models per span."""
-
-    def __init__(self, cls: type[BaseModel]) -> None:
-        constructor = _Constructor(cls)
-        self.cls = cls
-        self.order = constructor.names
-        self.names = constructor.name_set
-        self.fast = constructor.fast
-        self.extra: dict[str, Any] | None = {} if constructor.allow_extra else None
-
-    def __call__(self, values: dict[str, Any]) -> Any:
-        if not self.fast or len(values) != len(self.order) or values.keys() != self.names:
-            return construct(self.cls, values)
-        return _bare(self.cls, {name: values[name] for name in self.order}, self.names, self.extra)
-
-
-def _bare(cls: type[BaseModel], data: dict[str, Any], names: frozenset[str], extra: dict[str, Any] | None) -> Any:
-    obj = _new(cls)
-    _set_dict(obj, "__dict__", data)
-    _set_fields_set(obj, set(names))
-    _set_extra(obj, extra)
-    _set_private(obj, None)
-    return obj
-
-
 _status = _Exact(TraceStatus)
 _context = _Exact(SpanContext)
 _resource = _Exact(OtelResource)
@@ -288,7 +428,8 @@ def span_from_row(row: Row[Any] | Any) -> Span:
     and W6 of the benchmarks).  A row of the usual shape (attribute access, the three model fields
     kept in ``extra`` present) is assembled directly; anything else takes ``_span_from_mapping``."""
     try:
-        (rid, aid, seq, tid, sid, pid, name, attributes, events, links, start, end, resource) = _span_columns(row)
+        columns = _span_columns(row)
+        (rid, aid, seq, tid, sid, pid, name, attributes, events, links, start, end, resource) = columns
         extra = row.extra
     except AttributeError:
         return _span_from_mapping(_mapping(row))
