@@ -12,7 +12,8 @@ What stays SQLAlchemy's: the connection and its transaction (a raw execution fir
 (driver errors are re-raised as SQLAlchemy's ``DBAPIError`` subclasses, and a lost connection is
 invalidated) and every statement this module declines: statements built per call, ``echo=True``
 engines and engines or connections with event listeners (``before_cursor_execute`` and the like:
-whoever listens sees every statement), Python-side column defaults, and multi-row parameters on PostgreSQL (SQLite runs them
+whoever listens sees every statement), Python-side column defaults, and multi-row parameters on
+PostgreSQL (SQLite runs them
 as ``executemany``, or one ``execute`` per row with ``RETURNING``).
 """
 
@@ -443,7 +444,14 @@ def _translated(conn: Connection, dbapi_conn: Any, cursor: Any, sql: str, params
 # the same adapter connection: the same lock, the same lazily started transaction, the same
 # prepared-statement cache, the same translation of asyncpg's errors.  It relies on private names of
 # SQLAlchemy's adapter (2.0 and 2.1 have them alike); an adapter without them takes the cursor path.
-_ASYNCPG_ADAPTER_NAMES = ("_connection", "_execute_mutex", "_transaction", "_start_transaction", "_prepare", "_handle_exception")
+_ASYNCPG_ADAPTER_NAMES = (
+    "_connection",
+    "_execute_mutex",
+    "_transaction",
+    "_start_transaction",
+    "_prepare",
+    "_handle_exception",
+)
 _asyncpg_adapters: dict[type, bool] = {}
 
 
@@ -482,7 +490,9 @@ def _status_rowcount(status: str | None) -> int:
     return -1
 
 
-def _execute_asyncpg(conn: Connection, adapter: Any, plan: _Plan, sql: str, params: Sequence[Any]) -> FastResult:
+def _execute_asyncpg(
+    conn: Connection, adapter: Any, plan: _Plan, sql: str, params: Sequence[Any]
+) -> FastResult:
     try:
         raw, status, attributes = await_only(_asyncpg_run(adapter, sql, params))
     except conn.dialect.loaded_dbapi.Error as exc:
