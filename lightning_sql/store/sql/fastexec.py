@@ -13,8 +13,9 @@ What stays SQLAlchemy's: the connection and its transaction (a raw execution fir
 invalidated) and every statement this module declines: statements built per call, ``echo=True``
 engines and engines or connections with event listeners (``before_cursor_execute`` and the like:
 whoever listens sees every statement), Python-side column defaults, and multi-row parameters on
-PostgreSQL (SQLite runs them
-as ``executemany``, or one ``execute`` per row with ``RETURNING``).
+PostgreSQL (SQLite runs them as ``executemany``, or one ``execute`` per row with ``RETURNING``).
+On PostgreSQL a single execution goes to asyncpg through SQLAlchemy's adapter connection rather
+than its cursor (``_execute_asyncpg``).
 """
 
 from __future__ import annotations
