@@ -73,20 +73,11 @@ class _Constructor:
         extra: dict[str, Any] | None = None
         if self.allow_extra:
             extra = {k: v for k, v in values.items() if k not in self.name_set} if len(values) != len(data) else {}
-        obj = self.cls.__new__(self.cls)
-        _set = object.__setattr__
-        _set(obj, "__dict__", data)
-        _set(obj, "__pydantic_fields_set__", set(self.name_set))
-        _set(obj, "__pydantic_extra__", extra)
-        _set(obj, "__pydantic_private__", None)
-        return obj
+        return _bare(self.cls, data, self.name_set, extra)
 
 
 _constructors: dict[type[BaseModel], _Constructor] = {}
 _constructors_lock = threading.Lock()
-
-
-_CONFIG_NAMES = frozenset(RolloutConfig.__pydantic_fields__)
 
 
 def construct(cls: type[M], values: dict[str, Any]) -> M:
@@ -167,7 +158,7 @@ def config_copy(config: RolloutConfig) -> RolloutConfig:
         return config.model_copy(deep=True)
     data = dict(config.__dict__)
     data["retry_condition"] = list(data["retry_condition"])
-    copied = _bare(RolloutConfig, data, _CONFIG_NAMES, None)
+    copied = _bare(RolloutConfig, data, _CONFIG.names, _CONFIG.extra)
     _set_fields_set(copied, set(config.__pydantic_fields_set__))
     return copied  # type: ignore[no-any-return]
 
