@@ -175,3 +175,18 @@ def check_str_list(values: Sequence[Any] | None, name: str) -> list[str] | None:
         if not isinstance(value, str):
             raise TypeError(f"{name} must be a list of str, got an element of type {type(value).__name__}")
     return out
+
+
+def fetch_page(
+    ctx: Any, page: Any, count: Any, params: dict[str, Any], limit: int, offset: int
+) -> tuple[list[Any], int]:
+    """The rows of one page of a prebuilt ``page`` statement and the number of matches (``count``,
+    run only when the page cannot tell): at most two statements; ``q_limit``/``q_offset`` bound here."""
+    if limit != -1:
+        params["q_limit"] = limit
+    if offset != 0:
+        params["q_offset"] = offset
+    rows = ctx.execute(page, params).all() if limit != 0 else []
+    if limit == -1 and offset == 0:
+        return rows, len(rows)
+    return rows, int(ctx.execute(count, params).scalar_one())

@@ -765,15 +765,7 @@ def query_rollouts(
             params[name] = values
     if contains:
         params["q_contains"] = rollout_id_contains
-    if limit != -1:
-        params["q_limit"] = limit
-    if offset != 0:
-        params["q_offset"] = offset
-    rows = ctx.execute(page, params).all() if limit != 0 else []
-    if limit == -1 and offset == 0:
-        total = len(rows)
-    else:
-        total = int(ctx.execute(count, params).scalar_one())
+    rows, total = f.fetch_page(ctx, page, count, params, limit, offset)
     items = with_latest_attempts(ctx, run_id, rows)
     return PaginatedResult(items=items, limit=limit, offset=offset, total=total)
 

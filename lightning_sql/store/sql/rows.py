@@ -202,8 +202,9 @@ def attempt_from_row(row: Row[Any] | Any) -> Attempt:
     return construct(Attempt, {name: m[name] for name in _ATTEMPT_FIELDS})
 
 
-# The rollout row's columns in the order of the Rollout model's fields, the config's four last.
-_rollout_columns = operator.attrgetter(
+# ``attempted`` spells these fields out, in this order; it assembles rows directly only while the
+# models have exactly them and nothing that needs pydantic's own construction (``_ROLLOUT_DIRECT``).
+_ROLLOUT_ORDER = (
     "rollout_id",
     "input",
     "start_time",
@@ -211,39 +212,24 @@ _rollout_columns = operator.attrgetter(
     "mode",
     "resources_id",
     "status",
+    "config",
     "metadata",
     "resources_version",
     "idempotency_key",
-    "timeout_seconds",
-    "unresponsive_seconds",
-    "max_attempts",
-    "retry_condition",
 )
+_CONFIG_ORDER = ("timeout_seconds", "unresponsive_seconds", "max_attempts", "retry_condition")
+# The rollout row's columns: the Rollout fields but ``config`` in order, then the config's four.
+_rollout_columns = operator.attrgetter(*(name for name in _ROLLOUT_ORDER if name != "config"), *_CONFIG_ORDER)
 _CONFIG = _Exact(RolloutConfig)
 _ROLLOUT = _Exact(Rollout)
 _ATTEMPTED = _Exact(AttemptedRollout)
-# Rows are assembled directly (``attempted``) only while the models have exactly the fields spelled
-# out there, in that order, and nothing that needs pydantic's own construction.
 _ROLLOUT_DIRECT = (
     _CONFIG.fast
     and _ROLLOUT.fast
     and _ATTEMPTED.fast
-    and _CONFIG.order == ("timeout_seconds", "unresponsive_seconds", "max_attempts", "retry_condition")
-    and _ROLLOUT.order
-    == (
-        "rollout_id",
-        "input",
-        "start_time",
-        "end_time",
-        "mode",
-        "resources_id",
-        "status",
-        "config",
-        "metadata",
-        "resources_version",
-        "idempotency_key",
-    )
-    and _ATTEMPTED.order == (*_ROLLOUT.order, "attempt")
+    and _CONFIG.order == _CONFIG_ORDER
+    and _ROLLOUT.order == _ROLLOUT_ORDER
+    and _ATTEMPTED.order == (*_ROLLOUT_ORDER, "attempt")
 )
 
 

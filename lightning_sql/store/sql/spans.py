@@ -381,13 +381,5 @@ def query_spans(
     for name, ok in zip(SPAN_FILTER_FIELDS, contains_shape, strict=True):
         if ok:
             params[f"q_{name}_contains"] = contains[name]
-    if limit != -1:
-        params["q_limit"] = limit
-    if offset != 0:
-        params["q_offset"] = offset
-    rows = ctx.execute(page, params).all() if limit != 0 else []
-    if limit == -1 and offset == 0:
-        total = len(rows)
-    else:
-        total = int(ctx.execute(count, params).scalar_one())
+    rows, total = f.fetch_page(ctx, page, count, params, limit, offset)
     return PaginatedResult(items=[span_from_row(r) for r in rows], limit=limit, offset=offset, total=total)
