@@ -253,6 +253,20 @@ async def test_rollout_rows_build_what_the_general_path_builds(store: SqlLightni
     assert _deep_state(rows_module.attempted(as_dict, None)) == _deep_state(got[1])
 
 
+async def test_models_read_back_do_not_share_state(store: SqlLightningStore) -> None:
+    """Each model read back owns its extras: an extra field set on one span's status or context
+    (their models allow extras) shows on no other span, read now or later."""
+    ar = await store.start_rollout({"q": 1})
+    await store.add_many_spans([make_span(ar.rollout_id, ar.attempt.attempt_id, k) for k in (1, 2)])
+    first, second = await store.query_spans(ar.rollout_id)
+    first.status.note = "mine"  # type: ignore[attr-defined]
+    first.context.note = "mine"  # type: ignore[union-attr]
+    assert first.status.__pydantic_extra__ is not second.status.__pydantic_extra__
+    assert not hasattr(second.status, "note") and not hasattr(second.context, "note")
+    again = (await store.query_spans(ar.rollout_id))[0]
+    assert not hasattr(again.status, "note") and not hasattr(again.context, "note")
+
+
 def test_span_values_encode_what_model_dump_gives() -> None:
     """``span_values`` encodes sub-models from their fields' dict when it can; the stored text must
     be that of ``model_dump()`` for plain models, models with extras and subclasses alike."""

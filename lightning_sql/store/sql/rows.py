@@ -66,6 +66,10 @@ class _Constructor:
             or any(f.alias is not None or f.validation_alias is not None for f in fields.values())
         )
 
+    def empty_extra(self) -> dict[str, Any] | None:
+        """A new object's extras when it has none: a dict of its own where extras are allowed."""
+        return {} if self.allow_extra else None
+
     def __call__(self, values: dict[str, Any]) -> Any:
         if not self.fast or not self.name_set <= values.keys():
             return self.cls.model_construct(**values)
@@ -80,14 +84,17 @@ _constructors: dict[type[BaseModel], _Constructor] = {}
 _constructors_lock = threading.Lock()
 
 
-def construct(cls: type[M], values: dict[str, Any]) -> M:
-    """``cls.model_construct(**values)``, faster (see ``_Constructor``); ``values`` is not modified."""
+def _constructor(cls: type[BaseModel]) -> _Constructor:
     try:
-        constructor = _constructors[cls]
+        return _constructors[cls]
     except KeyError:
         with _constructors_lock:
-            constructor = _constructors.setdefault(cls, _Constructor(cls))
-    return constructor(values)  # type: ignore[no-any-return]
+            return _constructors.setdefault(cls, _Constructor(cls))
+
+
+def construct(cls: type[M], values: dict[str, Any]) -> M:
+    """``cls.model_construct(**values)``, faster (see ``_Constructor``); ``values`` is not modified."""
+    return _constructor(cls)(values)  # type: ignore[no-any-return]
 
 
 _new = object.__new__
@@ -97,29 +104,11 @@ _set_extra = BaseModel.__dict__["__pydantic_extra__"].__set__
 _set_private = BaseModel.__dict__["__pydantic_private__"].__set__
 
 
-class _Exact:
-    """What ``construct`` builds for one model class, with less per-object work: called with a dict
-    that holds exactly the model's fields (as ``model_dump`` wrote it; anything else goes to
-    ``construct``), and the class's names, extras and order for callers that assemble the field dict
-    themselves (``_bare``).  Read-back builds several models per span and per rollout."""
-
-    def __init__(self, cls: type[BaseModel]) -> None:
-        constructor = _Constructor(cls)
-        self.cls = cls
-        self.order = constructor.names
-        self.names = constructor.name_set
-        self.fast = constructor.fast
-        self.extra: dict[str, Any] | None = {} if constructor.allow_extra else None
-
-    def __call__(self, values: dict[str, Any]) -> Any:
-        if not self.fast or len(values) != len(self.order) or values.keys() != self.names:
-            return construct(self.cls, values)
-        return _bare(self.cls, {name: values[name] for name in self.order}, self.names, self.extra)
-
-
 def _bare(
     cls: type[BaseModel], data: dict[str, Any], names: frozenset[str], extra: dict[str, Any] | None
 ) -> Any:
+    """A model with ``data`` as its ``__dict__`` (the fields, in definition order), every field set,
+    ``extra`` as its extras (a dict of its own, or None) and no private state."""
     obj = _new(cls)
     _set_dict(obj, "__dict__", data)
     _set_fields_set(obj, set(names))
@@ -158,7 +147,7 @@ def config_copy(config: RolloutConfig) -> RolloutConfig:
         return config.model_copy(deep=True)
     data = dict(config.__dict__)
     data["retry_condition"] = list(data["retry_condition"])
-    copied = _bare(RolloutConfig, data, _CONFIG.names, _CONFIG.extra)
+    copied = _bare(RolloutConfig, data, _CONFIG.name_set, _CONFIG.empty_extra())
     _set_fields_set(copied, set(config.__pydantic_fields_set__))
     return copied  # type: ignore[no-any-return]
 
@@ -186,7 +175,7 @@ def rollout_from_row(row: Row[Any] | Any) -> Rollout:
 # Every field of these models is a column of its table (a new field without one fails loudly here).
 _ATTEMPT_FIELDS = tuple(Attempt.model_fields)
 _attempt_columns = operator.attrgetter(*_ATTEMPT_FIELDS)
-_ATTEMPT = _Exact(Attempt)
+_ATTEMPT = _constructor(Attempt)
 
 
 def attempt_from_row(row: Row[Any] | Any) -> Attempt:
@@ -197,7 +186,8 @@ def attempt_from_row(row: Row[Any] | Any) -> Attempt:
             pass
         else:
             data = dict(zip(_ATTEMPT_FIELDS, values, strict=True))
-            return _bare(Attempt, data, _ATTEMPT.names, _ATTEMPT.extra)  # type: ignore[no-any-return]
+            built = _bare(Attempt, data, _ATTEMPT.name_set, _ATTEMPT.empty_extra())
+            return built  # type: ignore[no-any-return]
     m = _mapping(row)
     return construct(Attempt, {name: m[name] for name in _ATTEMPT_FIELDS})
 
@@ -220,16 +210,16 @@ _ROLLOUT_ORDER = (
 _CONFIG_ORDER = ("timeout_seconds", "unresponsive_seconds", "max_attempts", "retry_condition")
 # The rollout row's columns: the Rollout fields but ``config`` in order, then the config's four.
 _rollout_columns = operator.attrgetter(*(name for name in _ROLLOUT_ORDER if name != "config"), *_CONFIG_ORDER)
-_CONFIG = _Exact(RolloutConfig)
-_ROLLOUT = _Exact(Rollout)
-_ATTEMPTED = _Exact(AttemptedRollout)
+_CONFIG = _constructor(RolloutConfig)
+_ROLLOUT = _constructor(Rollout)
+_ATTEMPTED = _constructor(AttemptedRollout)
 _ROLLOUT_DIRECT = (
     _CONFIG.fast
     and _ROLLOUT.fast
     and _ATTEMPTED.fast
-    and _CONFIG.order == _CONFIG_ORDER
-    and _ROLLOUT.order == _ROLLOUT_ORDER
-    and _ATTEMPTED.order == (*_ROLLOUT_ORDER, "attempt")
+    and _CONFIG.names == _CONFIG_ORDER
+    and _ROLLOUT.names == _ROLLOUT_ORDER
+    and _ATTEMPTED.names == (*_ROLLOUT_ORDER, "attempt")
 )
 
 
@@ -253,8 +243,8 @@ def attempted(rollout_row: Any, attempt: Attempt | None) -> Rollout | AttemptedR
                     "max_attempts": attempts,
                     "retry_condition": list(retry or []),
                 },
-                _CONFIG.names,
-                _CONFIG.extra,
+                _CONFIG.name_set,
+                _CONFIG.empty_extra(),
             )
             data = {
                 "rollout_id": rid,
@@ -270,9 +260,10 @@ def attempted(rollout_row: Any, attempt: Attempt | None) -> Rollout | AttemptedR
                 "idempotency_key": key,
             }
             if attempt is None:
-                return _bare(Rollout, data, _ROLLOUT.names, _ROLLOUT.extra)  # type: ignore[no-any-return]
+                plain = _bare(Rollout, data, _ROLLOUT.name_set, _ROLLOUT.empty_extra())
+                return plain  # type: ignore[no-any-return]
             data["attempt"] = attempt
-            built = _bare(AttemptedRollout, data, _ATTEMPTED.names, _ATTEMPTED.extra)
+            built = _bare(AttemptedRollout, data, _ATTEMPTED.name_set, _ATTEMPTED.empty_extra())
             return built  # type: ignore[no-any-return]
     return _attempted_from_mapping(_mapping(rollout_row), attempt)
 
@@ -391,10 +382,7 @@ _span_columns = operator.attrgetter(
     *(name for name in _SPAN_FIELDS if name not in ("status", "context", "parent"))
 )
 _SPAN_EXTRA_FIELDS = frozenset(("status", "context", "parent"))
-_status = _Exact(TraceStatus)
-_context = _Exact(SpanContext)
-_resource = _Exact(OtelResource)
-_SPAN_FAST = _Constructor(Span).fast and Span.model_config.get("extra") == "allow"
+_SPAN_FAST = _constructor(Span).fast and Span.model_config.get("extra") == "allow"
 _SPAN_NAMES = frozenset(_SPAN_FIELDS)
 
 
@@ -421,15 +409,15 @@ def span_from_row(row: Row[Any] | Any) -> Span:
         "span_id": sid,
         "parent_id": pid,
         "name": name,
-        "status": _status(extra["status"]),
+        "status": construct(TraceStatus, extra["status"]),
         "attributes": attributes if attributes is not None else {},
         "events": [construct(Event, event) for event in events] if events else [],
         "links": [_link(link) for link in links] if links else [],
         "start_time": start,
         "end_time": end,
-        "context": None if context is None else _context(context),
-        "parent": None if parent is None else _context(parent),
-        "resource": _resource(resource),
+        "context": None if context is None else construct(SpanContext, context),
+        "parent": None if parent is None else construct(SpanContext, parent),
+        "resource": construct(OtelResource, resource),
     }
     more = {k: v for k, v in extra.items() if k not in _SPAN_EXTRA_FIELDS} if len(extra) > 3 else {}
     return _bare(Span, data, _SPAN_NAMES, more)  # type: ignore[no-any-return]
