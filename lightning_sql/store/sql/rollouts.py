@@ -362,38 +362,14 @@ def _claim_fresh(
     one_trip = d.claim_in_one_statement(ctx, run_id, now, attempt_ids, worker_id, ROLLOUT_COLUMNS)
     if one_trip is not None:
         return [_attempted_claim(row, row.attempt_id, now, worker_id) for row in one_trip], True
-    picked = cached(
-        ("claim_pick", ctx.dialect),
-        lambda: d.for_update(
-            ctx,
-            select(R.c.rollout_id)
-            .where(R.c.run_id == bindparam("c_run_id"), R.c.queue_seq.isnot(None))
-            .order_by(R.c.queue_seq)
-            .limit(bindparam("c_limit")),
-            skip_locked=True,
-        ),
-    )
-    ids = [row[0] for row in ctx.execute(picked, {"c_run_id": run_id, "c_limit": len(attempt_ids)})]
+    if len(attempt_ids) == 1:
+        # One rollout (dequeue_rollout): picked and marked by one statement.
+        rows = ctx.execute(cached(("claim_next", ctx.dialect), _claim_next), {"c_run_id": run_id}).all()
+        ids = [row.rollout_id for row in rows]
+    else:
+        ids, rows = _pick_and_mark(ctx, run_id, len(attempt_ids))
     if not ids:
         return [], False
-    # One claimed row (the common case) compares with = : an expanding IN is compiled again per call.
-    single = len(ids) == 1
-    mark = cached(
-        ("claim_mark", single),
-        lambda: update(R)
-        .where(
-            R.c.run_id == bindparam("c_run_id"),
-            R.c.rollout_id == bindparam("c_id") if single else R.c.rollout_id.in_(bindparam("c_ids", expanding=True)),
-        )
-        .values(status="preparing", queue_seq=None, attempt_count=R.c.attempt_count + 1)
-        .returning(*ROLLOUT_COLUMNS, R.c.attempt_count),
-    )
-    params: dict[str, Any] = {"c_run_id": run_id}
-    if single:
-        params["c_id"] = ids[0]
-    else:
-        params["c_ids"] = ids
-    rows = ctx.execute(mark, params).all()
     by_id = {row.rollout_id: row for row in rows}
     attempt_rows = []
     result: list[AttemptedRollout] = []
@@ -413,6 +389,60 @@ def _claim_fresh(
         result.append(_attempted_claim(row, aid, now, worker_id))
     ctx.execute(cached("attempt_insert", A.insert), attempt_rows)
     return result, False
+
+
+def _claim_next() -> Any:
+    """Mark the first rollout of the queue claimed (SQLite: writers are serialised, no lock needed)."""
+    queued = R.alias("queued")
+    first = (
+        select(queued.c.rollout_id)
+        .where(queued.c.run_id == bindparam("c_run_id"), queued.c.queue_seq.isnot(None))
+        .order_by(queued.c.queue_seq)
+        .limit(1)
+        .scalar_subquery()
+    )
+    return (
+        update(R)
+        .where(R.c.run_id == bindparam("c_run_id"), R.c.rollout_id == first)
+        .values(status="preparing", queue_seq=None, attempt_count=R.c.attempt_count + 1)
+        .returning(*ROLLOUT_COLUMNS, R.c.attempt_count)
+    )
+
+
+def _pick_and_mark(ctx: UnitContext, run_id: int, limit: int) -> tuple[list[str], list[Any]]:
+    """The ids of up to ``limit`` queued rollouts in queue order, and their rows once marked claimed."""
+    picked = cached(
+        ("claim_pick", ctx.dialect),
+        lambda: d.for_update(
+            ctx,
+            select(R.c.rollout_id)
+            .where(R.c.run_id == bindparam("c_run_id"), R.c.queue_seq.isnot(None))
+            .order_by(R.c.queue_seq)
+            .limit(bindparam("c_limit")),
+            skip_locked=True,
+        ),
+    )
+    ids = [row[0] for row in ctx.execute(picked, {"c_run_id": run_id, "c_limit": limit})]
+    if not ids:
+        return [], []
+    # One claimed row compares with = : an expanding IN is compiled again per call.
+    single = len(ids) == 1
+    mark = cached(
+        ("claim_mark", single),
+        lambda: update(R)
+        .where(
+            R.c.run_id == bindparam("c_run_id"),
+            R.c.rollout_id == bindparam("c_id") if single else R.c.rollout_id.in_(bindparam("c_ids", expanding=True)),
+        )
+        .values(status="preparing", queue_seq=None, attempt_count=R.c.attempt_count + 1)
+        .returning(*ROLLOUT_COLUMNS, R.c.attempt_count),
+    )
+    params: dict[str, Any] = {"c_run_id": run_id}
+    if single:
+        params["c_id"] = ids[0]
+    else:
+        params["c_ids"] = ids
+    return ids, ctx.execute(mark, params).all()
 
 
 def _attempted_claim(row: Any, attempt_id: str, now: float, worker_id: str | None) -> AttemptedRollout:
