@@ -380,7 +380,7 @@ async def test_an_inline_read_still_lets_the_loops_other_tasks_run(tmp_path: Pat
         await store.close()
 
 
-async def test_memory_and_write_units_never_run_inline(tmp_path: Path) -> None:
+async def test_memory_reads_and_write_units_never_run_inline_reads(tmp_path: Path) -> None:
     memory = SqlLightningStore("sqlite://", run="r", clock_sync=False)
     try:
         await _with_spans(memory)
@@ -461,6 +461,140 @@ async def test_close_closes_the_reader_connections(tmp_path: Path) -> None:
     locker.execute("BEGIN EXCLUSIVE")
     locker.rollback()
     locker.close()
+
+
+# --- inline writes ----------------------------------------------------------------------------
+
+
+async def _lifecycle(store: SqlLightningStore) -> list[Any]:
+    """Every kind of write of a lifecycle, and what each returned (without the random ids)."""
+    out: list[Any] = []
+    queued = await store.enqueue_many_rollouts([EnqueueRolloutRequest(input={"i": i}) for i in range(3)])
+    out.append([r.status for r in queued])
+    claimed = await store.dequeue_rollout(worker_id="w")
+    assert claimed is not None
+    rid, aid = claimed.rollout_id, claimed.attempt.attempt_id
+    out.append((claimed.status, claimed.attempt.sequence_id, claimed.attempt.worker_id, claimed.input))
+    out.append(list(await store.get_many_span_sequence_ids([(rid, aid)] * 3)))
+    spans = await store.add_many_spans([make_span(rid, aid, k) for k in (1, 2)])
+    out.append([(sp.sequence_id, sp.name) for sp in spans])
+    out.append((await store.add_span(make_span(rid, aid, 3))).sequence_id)  # type: ignore[union-attr]
+    attempt = await store.update_attempt(rid, aid, status="failed", metadata={"m": 1})
+    out.append((attempt.status, attempt.metadata, attempt.end_time is not None))
+    out.append((await store.update_rollout(queued[1].rollout_id, status="cancelled")).status)
+    with pytest.raises(ValueError, match="not found"):
+        await store.update_attempt("ro-missing", "latest", status="running")
+    out.append({k: v for k, v in (await store.statistics()).items() if k != "uptime"})
+    out.append([(r.input, r.status) for r in await store.query_rollouts(sort_by="start_time")])
+    out.append([(w.worker_id, w.status) for w in await store.query_workers()])
+    return out
+
+
+async def test_sqlite_writes_run_inline_and_match_the_thread(tmp_path: Path) -> None:
+    results = []
+    for inline in (True, False):
+        store = SqlLightningStore(f"sqlite:///{tmp_path / f'{inline}.db'}", run="r", clock_sync=False)
+        try:
+            await store.statistics()
+            worker = _worker(store)
+            worker.inline_writes = inline
+            before = worker.inline_write_count
+            results.append(await _lifecycle(store))
+            if inline:
+                assert worker.inline_write_count - before >= 8  # every write call of the lifecycle...
+            else:
+                assert worker.inline_write_count == before  # ...or none of them
+        finally:
+            await store.close()
+    assert results[0] == results[1]
+    assert results[0][1] == ("preparing", 1, "w", {"i": 0}) and results[0][2] == [1, 2, 3]
+
+
+async def test_a_write_that_meets_a_lock_goes_to_the_writer_thread(tmp_path: Path) -> None:
+    """Inline, the writer connection waits for no lock: while another process holds the write lock
+    the call waits on the writer thread (which retries), and the caller's event loop goes on."""
+    path = tmp_path / "s.db"
+    store = SqlLightningStore(f"sqlite:///{path}", run="r", clock_sync=False, scan_debounce_seconds=3600)
+    try:
+        await store.query_rollouts()  # the first lazy sweep (a write), so that the call below is one unit
+        worker = _worker(store)
+        before = worker.inline_write_count
+        locker = sqlite3.connect(path, isolation_level=None, timeout=0)
+        locker.execute("BEGIN IMMEDIATE")
+        ticks = 0
+
+        async def neighbour() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.01)
+
+        ticker = asyncio.create_task(neighbour())
+        call = asyncio.create_task(store.enqueue_rollout({"x": 1}))
+        await asyncio.sleep(0.5)
+        assert not call.done() and ticks >= 10  # waiting, off the caller's loop
+        locker.rollback()
+        locker.close()
+        rollout = await asyncio.wait_for(call, 30)
+        ticker.cancel()
+        assert worker.inline_write_count == before  # it ran on the writer thread
+        assert [r.rollout_id for r in await store.query_rollouts()] == [rollout.rollout_id]
+        await store.enqueue_rollout({"x": 2})
+        assert worker.inline_write_count == before + 1  # and the next write runs inline again
+    finally:
+        await store.close()
+
+
+async def test_a_failing_inline_write_changes_nothing_and_is_not_replayed(tmp_path: Path) -> None:
+    store = SqlLightningStore(f"sqlite:///{tmp_path / 's.db'}", run="r", clock_sync=False)
+    try:
+        worker, run_id = await store._prepare()
+        threads: list[str] = []
+
+        def half_done(ctx: Any) -> None:
+            threads.append(threading.current_thread().name)
+            ctx.conn.execute(insert(s.workers).values(run_id=run_id, worker_id="half", status="idle", create_seq=1))
+            raise KeyError("the unit's own error")
+
+        with pytest.raises(KeyError):
+            await store._submit(worker, half_done, write=True)
+        assert threads == ["MainThread"]  # inline, once
+        assert len(await store.query_workers()) == 0  # rolled back
+        await store.update_worker("whole", {"n": 1})  # the connection is usable after the failure
+        assert [w.worker_id for w in await store.query_workers()] == ["whole"]
+    finally:
+        await store.close()
+
+
+async def test_a_write_waits_for_the_writer_thread_while_it_works(tmp_path: Path) -> None:
+    """While the writer thread (or another thread) is inside SQLite, a write queues for the writer
+    thread rather than competing for the connection; queued units keep their turn."""
+    store = SqlLightningStore(f"sqlite:///{tmp_path / 's.db'}", run="r", clock_sync=False)
+    try:
+        worker, _run_id = await store._prepare()
+        started, release = threading.Event(), threading.Event()
+
+        def blocker(ctx: Any) -> None:
+            started.set()
+            release.wait(30)
+
+        fut = worker.submit(blocker, write=True, deadline_s=30)
+        assert await asyncio.to_thread(started.wait, 10)
+        threads: list[str] = []
+
+        def note(ctx: Any) -> str:
+            threads.append(threading.current_thread().name)
+            return "done"
+
+        call = asyncio.create_task(store._submit(worker, note, write=True))
+        await asyncio.sleep(0.2)
+        assert not call.done() and threads == []
+        release.set()
+        assert await asyncio.wait_for(call, 10) == "done"
+        await asyncio.wrap_future(fut)
+        assert threads[0].startswith("lightning-sql-io")
+    finally:
+        await store.close()
 
 
 def test_the_read_gate_turns_readers_away_while_a_fork_waits() -> None:

@@ -75,6 +75,10 @@ SQLITE_GROUP_COMMIT_MAX = int(os.environ.get("LIGHTNING_SQL_SQLITE_GROUP_COMMIT"
 # cross-thread wake-ups of a hop cost ~270 µs here, more than a point read itself. "0" turns it off
 # (every unit hops, as writes do); tests flip ``SqliteThreadWorker.inline_reads``.
 SQLITE_INLINE_READS = os.environ.get("LIGHTNING_SQL_SQLITE_INLINE_READS", "1") != "0"
+# Write units run in the calling thread too, on the writer connection, when no other thread of the
+# process is inside SQLite and nothing waits for the writer thread (``write_inline``); otherwise they
+# go to the writer thread (group commit). "0" turns it off; tests flip ``SqliteThreadWorker.inline_writes``.
+SQLITE_INLINE_WRITES = os.environ.get("LIGHTNING_SQL_SQLITE_INLINE_WRITES", "1") != "0"
 NOTIFY_CHANNEL = "lightning_sql_v1"
 
 # PostgreSQL SQLSTATEs that a replay of the whole unit can cure.
@@ -331,11 +335,17 @@ class WaitHub:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._waiters: dict[int, set[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
+        # Called (outside the lock) when the first waiter arrives: the SQLite writer thread, which
+        # polls for other processes' commits only while someone waits, may be asleep on its queue.
+        self.on_first_waiter: Callable[[], None] | None = None
 
     def register(self, run_id: int) -> tuple[asyncio.AbstractEventLoop, asyncio.Event]:
         entry = (asyncio.get_running_loop(), asyncio.Event())
         with self._lock:
+            first = not self._waiters
             self._waiters.setdefault(run_id, set()).add(entry)
+        if first and self.on_first_waiter is not None:
+            self.on_first_waiter()
         return entry
 
     def unregister(self, run_id: int, entry: tuple[asyncio.AbstractEventLoop, asyncio.Event]) -> None:
@@ -426,6 +436,9 @@ class IoWorker:
             self.hub.wake(run_id)
 
 
+_POLL = ("poll",)  # queued for the SQLite writer thread: poll PRAGMA data_version now
+
+
 class SqliteThreadWorker(IoWorker):
     """One thread owning one stdlib sqlite3 connection; every unit is one transaction on it, or one
     savepoint of a group commit when several units wait (``SQLITE_GROUP_COMMIT_MAX``)."""
@@ -448,10 +461,14 @@ class SqliteThreadWorker(IoWorker):
         # fork() closes until no caller is inside SQLite.
         self.inline_reads = SQLITE_INLINE_READS and target.kind != "sqlite-memory"
         self.inline_read_count = 0  # reads that ran inline (tests and measurements)
+        self.inline_writes = SQLITE_INLINE_WRITES
+        self.inline_write_count = 0  # writes that ran inline (tests and measurements)
+        self._busy_ms = int(float(options.get("busy_timeout", SQLITE_BUSY_TIMEOUT_S)) * 1000)
         self._readers = threading.local()
         self._reader_engines: list[Engine] = []
         self.read_gate = _ReadGate()
         _SQLITE_THREAD_WORKERS.add(self)
+        self.hub.on_first_waiter = functools.partial(self._queue.put, _POLL)
         self._thread = threading.Thread(
             target=self._main, name=f"lightning-sql-io[{target.masked}]", daemon=True
         )
@@ -522,10 +539,10 @@ class SqliteThreadWorker(IoWorker):
                     engine = self._make_engine(reader=True)
                     self._reader_engines.append(engine)
                     conn = self._readers.conn = engine.connect()
-                conn.exec_driver_sql("BEGIN")
+                fastexec.control(conn, "BEGIN")
                 ctx = UnitContext(conn, "sqlite")
                 result = unit(ctx)
-                conn.commit()
+                fastexec.control(conn, "COMMIT")
             except BaseException as exc:
                 if conn is not None:
                     self._abandon_reader(conn)
@@ -536,6 +553,58 @@ class SqliteThreadWorker(IoWorker):
             return True, result
         finally:
             self.read_gate.leave()
+
+    def write_inline(self, unit: Unit[T]) -> tuple[bool, T | None]:
+        """Run the write unit ``unit`` in the calling thread, as one transaction on the writer
+        connection: ``(True, result)``.  ``(False, None)`` when it must go to the writer thread
+        instead: inline writes are off, the worker is closed, another thread of this process is
+        inside SQLite (the writer thread, another inline writer, a fork() under way: ``busy`` is
+        held), units already wait for the writer thread (they keep their turn), or the try met a
+        lock or an error that the writer thread's retries and conversions handle (the failed try
+        was rolled back: it changed nothing).  The connection waits for no lock here (busy timeout 0
+        until the unit is over; ``BEGIN IMMEDIATE`` takes the write lock the rest of the unit needs),
+        so the caller's event loop never sleeps in SQLite's busy handler.  Errors of the unit itself
+        are raised after the rollback, as by the thread.
+        """
+        if (
+            not self.inline_writes
+            or self.closed
+            or self._schema_ready is None
+            or isinstance(unit, SchemaUnit)
+            or not self._queue.empty()
+        ):
+            return False, None
+        if not self.busy.acquire(blocking=False):
+            return False, None
+        conn: Connection | None = None
+        try:
+            if self.closed:
+                return False, None
+            try:
+                conn = self._connection()
+                dbapi_conn = conn.connection.dbapi_connection
+                assert dbapi_conn is not None
+                dbapi_conn.execute("PRAGMA busy_timeout=0")
+                try:
+                    fastexec.control(conn, "BEGIN IMMEDIATE")
+                    ctx = UnitContext(conn, "sqlite")
+                    result = unit(ctx)
+                    fastexec.control(conn, "COMMIT")
+                finally:
+                    try:
+                        dbapi_conn.execute(f"PRAGMA busy_timeout={self._busy_ms}")
+                    except sqlite3.Error:  # the thread's next unit opens a connection with its timeout
+                        self._drop_connection()
+            except BaseException as exc:
+                self._abandon(conn)
+                if classify_error(exc) != "fatal" or isinstance(exc, StoreUnavailableError):
+                    return False, None
+                raise
+        finally:
+            self.busy.release()
+        self.inline_write_count += 1
+        self._after_commit(ctx)
+        return True, result
 
     def _abandon_reader(self, conn: Connection) -> None:
         if not _roll_back(conn):  # a broken reader connection is replaced
@@ -592,6 +661,9 @@ class SqliteThreadWorker(IoWorker):
                     continue
             if item is None:
                 break
+            if item is _POLL:  # a waiter arrived: start polling (the queue.get timeout above)
+                self._poll_data_version()
+                continue
             group = [item]
             limit = SQLITE_GROUP_COMMIT_MAX
             if limit > 1 and not isinstance(item[0], SchemaUnit):
@@ -601,6 +673,8 @@ class SqliteThreadWorker(IoWorker):
                         more = self._queue.get_nowait()
                     except queue.Empty:
                         break
+                    if more is _POLL:
+                        continue
                     if more is None or isinstance(more[0], SchemaUnit):
                         carried.append(more)  # the sentinel and schema units run after the group
                         break
@@ -698,7 +772,7 @@ class SqliteThreadWorker(IoWorker):
         conn: Connection | None = None
         try:
             conn = self._connection()
-            conn.exec_driver_sql("BEGIN IMMEDIATE" if any(it[1] for it in items) else "BEGIN")
+            fastexec.control(conn, "BEGIN IMMEDIATE" if any(it[1] for it in items) else "BEGIN")
             # Savepoints straight on the sqlite3 connection (~4 µs, against ~30 µs through
             # SQLAlchemy, which does not track them either way).
             raw = conn.connection.dbapi_connection
@@ -730,7 +804,7 @@ class SqliteThreadWorker(IoWorker):
                 return None, 0
             outcomes.append((ctx, result, None))
         try:
-            conn.commit()
+            fastexec.control(conn, "COMMIT")
         except BaseException:  # noqa: BLE001 - the replay reports it
             self._abandon(conn)
             # A failed SQLite COMMIT that we rolled back committed nothing, so attempt 0 would do;
@@ -783,11 +857,11 @@ class SqliteThreadWorker(IoWorker):
         if isinstance(unit, SchemaUnit):
             self.ensure_schema_locked(conn, auto_migrate=unit.auto_migrate, read_only=unit.read_only)
             return None  # type: ignore[return-value]
-        conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+        fastexec.control(conn, "BEGIN IMMEDIATE" if write else "BEGIN")
         ctx = UnitContext(conn, "sqlite", attempt=attempt)
         try:
             result = unit(ctx)
-            conn.commit()
+            fastexec.control(conn, "COMMIT")
         except BaseException:
             self._abandon(conn)
             raise

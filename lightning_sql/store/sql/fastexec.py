@@ -408,6 +408,27 @@ def execute(conn: Connection, stmt: Any, params: Mapping[str, Any] | Sequence[Ma
         cursor.close()
 
 
+def control(conn: Connection, sql: str) -> None:
+    """A SQLite unit's ``BEGIN [IMMEDIATE]`` or ``COMMIT``, straight on the driver (~2 µs against ~10
+    through SQLAlchemy).  SQLAlchemy's own transaction is left as it is: on SQLite it only mirrors
+    the driver's (pysqlite's begin sends nothing), so it may stay open across units, and a rollback
+    (``conn.rollback()``) still ends both.  With echo or connection-event listeners, SQLAlchemy's path
+    (``exec_driver_sql``, ``commit()``), as for every statement (``execute``)."""
+    engine = conn.engine
+    if engine.echo or engine._has_events or conn._has_events:
+        if sql == "COMMIT":
+            conn.commit()
+        else:
+            conn.exec_driver_sql(sql)
+        return
+    dbapi_conn = conn.connection.dbapi_connection
+    assert dbapi_conn is not None
+    try:
+        dbapi_conn.execute(sql)
+    except conn.dialect.loaded_dbapi.Error as exc:
+        raise _translated(conn, dbapi_conn, None, sql, (), exc) from exc
+
+
 def _rows(conn: Connection, plan: _Plan, raw: Sequence[Any], description: Any) -> list[Any]:
     """The driver's rows as the plan's row class, through the result processors (worked out from
     ``description()`` at the plan's first execution)."""

@@ -335,9 +335,11 @@ class StoreInstance:
         PostgreSQL (``autocommit``: none relies on locks or ``SET LOCAL``) unless it asks for a
         ``snapshot`` (one REPEATABLE READ READ ONLY transaction); SQLite reads in one transaction,
         on a SQLite file in the calling thread (``SqliteThreadWorker.read_inline``).  A write unit
-        runs in one transaction unless it says ``autocommit`` (honoured on PostgreSQL only)."""
-        if not write and isinstance(worker, SqliteThreadWorker):
-            done, result = worker.read_inline(unit)
+        runs in one transaction unless it says ``autocommit`` (honoured on PostgreSQL only); on
+        SQLite in the calling thread when the writer connection is free (``write_inline``), else on
+        the writer thread."""
+        if isinstance(worker, SqliteThreadWorker):
+            done, result = worker.write_inline(unit) if write else worker.read_inline(unit)
             if done:
                 # Still a suspension point, as when the unit went to the I/O thread: a caller that
                 # polls in a loop must not starve the other tasks of its event loop.
