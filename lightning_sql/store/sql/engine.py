@@ -592,7 +592,7 @@ class SqliteThreadWorker(IoWorker):
                     fastexec.control(conn, "COMMIT")
                 finally:
                     try:
-                        dbapi_conn.execute(f"PRAGMA busy_timeout={self._busy_ms}")
+                        dbapi_conn.execute(f"PRAGMA busy_timeout={int(self._busy_ms)}")
                     except sqlite3.Error:  # the thread's next unit opens a connection with its timeout
                         self._drop_connection()
             except BaseException as exc:
