@@ -597,6 +597,52 @@ async def test_a_write_waits_for_the_writer_thread_while_it_works(tmp_path: Path
         await store.close()
 
 
+async def test_writes_from_several_threads_share_the_writer_connection_safely(tmp_path: Path) -> None:
+    """Four threads, each with its own event loop and eight concurrent runners, claim and finish 400
+    rollouts on one store: writes run inline or, while another thread is inside SQLite, on the writer
+    thread; every rollout is claimed once and every result is stored."""
+    store = SqlLightningStore(f"sqlite:///{tmp_path / 's.db'}", run="r", clock_sync=False)
+    try:
+        n = 400
+        await store.enqueue_many_rollouts([EnqueueRolloutRequest(input={"i": i}) for i in range(n)])
+        worker = _worker(store)
+        before = worker.inline_write_count
+        claimed: list[list[str]] = [[] for _ in range(4)]
+        errors: list[BaseException] = []
+
+        async def runner(mine: list[str]) -> None:
+            while (ar := await store.dequeue_rollout(worker_id=f"w{threading.get_ident()}")) is not None:
+                await store.add_span(make_span(ar.rollout_id, ar.attempt.attempt_id, 1))
+                await store.update_attempt(ar.rollout_id, ar.attempt.attempt_id, status="succeeded")
+                mine.append(ar.rollout_id)
+
+        def thread_main(mine: list[str]) -> None:
+            async def runners() -> None:
+                await asyncio.gather(*(runner(mine) for _ in range(8)))
+
+            try:
+                asyncio.run(runners())
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        threads = [threading.Thread(target=thread_main, args=(mine,)) for mine in claimed]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            await asyncio.to_thread(thread.join, 120)
+        assert errors == [] and not any(t.is_alive() for t in threads)
+        ids = [rid for mine in claimed for rid in mine]
+        assert len(ids) == n and len(set(ids)) == n
+        inline = worker.inline_write_count - before
+        assert 0 < inline < 3 * n  # both paths carried writes (3 write calls per rollout, plus sweeps)
+        stats = await store.statistics()
+        assert (stats["total_spans"], stats["queue_depth"]) == (n, 0)
+        done = await store.query_rollouts(status_in=["succeeded"])
+        assert len(done) == n
+    finally:
+        await store.close()
+
+
 def test_the_read_gate_turns_readers_away_while_a_fork_waits() -> None:
     gate = eng._ReadGate()
     assert gate.enter()

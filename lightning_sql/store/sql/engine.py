@@ -600,9 +600,9 @@ class SqliteThreadWorker(IoWorker):
                 if classify_error(exc) != "fatal" or isinstance(exc, StoreUnavailableError):
                     return False, None
                 raise
+            self.inline_write_count += 1
         finally:
             self.busy.release()
-        self.inline_write_count += 1
         self._after_commit(ctx)
         return True, result
 
