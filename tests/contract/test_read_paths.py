@@ -597,6 +597,34 @@ async def test_a_write_waits_for_the_writer_thread_while_it_works(tmp_path: Path
         await store.close()
 
 
+async def test_concurrent_writes_of_one_loop_commit_as_one_inline_group(tmp_path: Path) -> None:
+    """The writes that one loop's tasks issue in one turn run together, in the calling thread, in one
+    transaction (a savepoint each): a failing call is rolled back alone and gets its own error."""
+    store = SqlLightningStore(f"sqlite:///{tmp_path / 's.db'}", run="r", clock_sync=False, scan_debounce_seconds=3600)
+    try:
+        await store.query_rollouts()  # the first lazy sweep
+        started = [await store.start_rollout({"s": i}) for i in range(3)]
+        worker = _worker(store)
+        groups, units = worker.inline_groups, worker.inline_write_count
+        calls = [store.add_span(make_span(ar.rollout_id, ar.attempt.attempt_id, 1)) for ar in started]
+        calls += [store.enqueue_rollout({"n": j}) for j in range(5)]
+        calls += [store.update_attempt(f"ro-gone-{j}", "latest", status="running") for j in range(3)]
+        calls.append(store.add_span(make_span(started[0].rollout_id, "at-missing", 2)))
+        calls.append(store.update_attempt(started[1].rollout_id, "latest", metadata={"m": 1}))
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        assert (worker.inline_groups - groups, worker.inline_write_count - units) == (1, len(calls))
+        assert all(isinstance(r, Span) for r in results[:3])
+        assert all(isinstance(r, Rollout) and r.status == "queuing" for r in results[3:8])
+        assert [str(r) for r in results[8:11]] == [f"Rollout ro-gone-{j} not found" for j in range(3)]
+        assert str(results[11]) == f"Attempt at-missing not found for rollout {started[0].rollout_id}"
+        assert isinstance(results[12], Attempt) and results[12].metadata == {"m": 1}
+        stats = await store.statistics()
+        assert (stats["total_spans"], stats["total_rollouts"], stats["queue_depth"]) == (3, 8, 5)
+        assert await store.get_next_span_sequence_id(started[0].rollout_id, started[0].attempt.attempt_id) == 2
+    finally:
+        await store.close()
+
+
 async def test_writes_from_several_threads_share_the_writer_connection_safely(tmp_path: Path) -> None:
     """Four threads, each with its own event loop and eight concurrent runners, claim and finish 400
     rollouts on one store: writes run inline or, while another thread is inside SQLite, on the writer

@@ -75,9 +75,10 @@ SQLITE_GROUP_COMMIT_MAX = int(os.environ.get("LIGHTNING_SQL_SQLITE_GROUP_COMMIT"
 # cross-thread wake-ups of a hop cost ~270 µs here, more than a point read itself. "0" turns it off
 # (every unit hops, as writes do); tests flip ``SqliteThreadWorker.inline_reads``.
 SQLITE_INLINE_READS = os.environ.get("LIGHTNING_SQL_SQLITE_INLINE_READS", "1") != "0"
-# Write units run in the calling thread too, on the writer connection, when no other thread of the
-# process is inside SQLite and nothing waits for the writer thread (``write_inline``); otherwise they
-# go to the writer thread (group commit). "0" turns it off; tests flip ``SqliteThreadWorker.inline_writes``.
+# Write units run in the calling thread too, on the writer connection, at the next turn of the
+# caller's event loop (the writes its tasks queued meanwhile in one group commit), when no other
+# thread of the process is inside SQLite and nothing waits for the writer thread (``write_soon``);
+# otherwise they go to the writer thread. "0" turns it off; tests flip ``SqliteThreadWorker.inline_writes``.
 SQLITE_INLINE_WRITES = os.environ.get("LIGHTNING_SQL_SQLITE_INLINE_WRITES", "1") != "0"
 NOTIFY_CHANNEL = "lightning_sql_v1"
 
@@ -462,7 +463,9 @@ class SqliteThreadWorker(IoWorker):
         self.inline_reads = SQLITE_INLINE_READS and target.kind != "sqlite-memory"
         self.inline_read_count = 0  # reads that ran inline (tests and measurements)
         self.inline_writes = SQLITE_INLINE_WRITES
-        self.inline_write_count = 0  # writes that ran inline (tests and measurements)
+        self.inline_write_count = 0  # write units that ran inline (tests and measurements)
+        self.inline_groups = 0  # ...of which in groups of two or more
+        self._soon: dict[asyncio.AbstractEventLoop, list[Any]] = {}  # write_soon's units per loop
         self._busy_ms = int(float(options.get("busy_timeout", SQLITE_BUSY_TIMEOUT_S)) * 1000)
         self._readers = threading.local()
         self._reader_engines: list[Engine] = []
@@ -554,57 +557,100 @@ class SqliteThreadWorker(IoWorker):
         finally:
             self.read_gate.leave()
 
-    def write_inline(self, unit: Unit[T]) -> tuple[bool, T | None]:
-        """Run the write unit ``unit`` in the calling thread, as one transaction on the writer
-        connection: ``(True, result)``.  ``(False, None)`` when it must go to the writer thread
-        instead: inline writes are off, the worker is closed, another thread of this process is
-        inside SQLite (the writer thread, another inline writer, a fork() under way: ``busy`` is
-        held), units already wait for the writer thread (they keep their turn), or the try met a
-        lock or an error that the writer thread's retries and conversions handle (the failed try
-        was rolled back: it changed nothing).  The connection waits for no lock here (busy timeout 0
-        until the unit is over; ``BEGIN IMMEDIATE`` takes the write lock the rest of the unit needs),
-        so the caller's event loop never sleeps in SQLite's busy handler.  Errors of the unit itself
-        are raised after the rollback, as by the thread.
+    def write_soon(self, unit: Unit[T]) -> asyncio.Future[tuple[bool, Any]] | None:
+        """Queue the write unit ``unit`` to run in the calling thread at the next turn of the running
+        event loop, in one transaction with the other writes that this loop's tasks queue meanwhile
+        (group commit in the caller's loop; each unit in its own savepoint, as on the writer thread,
+        and one unit alone in a plain transaction).  The future gives ``(True, result)``, raises
+        the unit's own error, or gives ``(False, attempt)`` when the unit must go to the writer
+        thread instead, with ``ctx.attempt`` at least ``attempt`` there (see ``_flush_soon``).
+        None when inline writes are off or cannot run yet (closed, schema not ensured).
         """
-        if (
-            not self.inline_writes
-            or self.closed
-            or self._schema_ready is None
-            or isinstance(unit, SchemaUnit)
-            or not self._queue.empty()
-        ):
-            return False, None
-        if not self.busy.acquire(blocking=False):
-            return False, None
-        conn: Connection | None = None
-        try:
-            if self.closed:
-                return False, None
+        if not self.inline_writes or self.closed or self._schema_ready is None or isinstance(unit, SchemaUnit):
+            return None
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[tuple[bool, Any]] = loop.create_future()
+        batch = self._soon.get(loop)
+        if batch is None:
+            batch = self._soon[loop] = []
+            loop.call_soon(self._flush_soon, loop)
+        batch.append((unit, fut))
+        return fut
+
+    def _flush_soon(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Run the writes ``loop`` queued (``write_soon``), when the writer connection is free: no
+        other thread of this process inside SQLite (the writer thread, another loop's writes, a
+        fork() under way: ``busy`` is held) and no unit waiting for the writer thread (those keep
+        their turn).  Otherwise, and when the try meets a lock or an error that the writer thread's
+        retries and conversions handle (the try was rolled back: it changed nothing), every unit is
+        handed to the writer thread.  The connection waits for no lock here (busy timeout 0 for the
+        whole try), so the caller's event loop never sleeps in SQLite's busy handler."""
+        items = [(unit, fut) for unit, fut in self._soon.pop(loop, []) if not fut.cancelled()]
+        if not items:
+            return
+        outcomes: list[tuple[UnitContext | None, Any, BaseException | None]] | None = None
+        attempt = 0
+        if not self.closed and self._queue.empty() and self.busy.acquire(blocking=False):
             try:
-                conn = self._connection()
-                dbapi_conn = conn.connection.dbapi_connection
-                assert dbapi_conn is not None
-                dbapi_conn.execute("PRAGMA busy_timeout=0")
-                try:
-                    fastexec.control(conn, "BEGIN IMMEDIATE")
-                    ctx = UnitContext(conn, "sqlite")
-                    result = unit(ctx)
-                    fastexec.control(conn, "COMMIT")
-                finally:
-                    try:
-                        dbapi_conn.execute(f"PRAGMA busy_timeout={int(self._busy_ms)}")
-                    except sqlite3.Error:  # the thread's next unit opens a connection with its timeout
-                        self._drop_connection()
+                if not self.closed:
+                    outcomes, attempt = self._write_here([unit for unit, _fut in items])
+            finally:
+                self.busy.release()
+        if outcomes is None:
+            for _unit, fut in items:
+                fut.set_result((False, attempt))
+            return
+        for (_unit, fut), (ctx, result, exc) in zip(items, outcomes, strict=True):
+            if exc is not None:
+                fut.set_exception(exc)
+                continue
+            assert ctx is not None
+            self._after_commit(ctx)
+            fut.set_result((True, result))
+
+    def _write_here(
+        self, units: list[Any]
+    ) -> tuple[list[tuple[UnitContext | None, Any, BaseException | None]] | None, int]:
+        """One try of ``units`` on the writer connection in the calling thread (``busy`` held):
+        each unit's ``(ctx, result, exception)``, or ``(None, attempt)`` to hand them all to the
+        writer thread, whose first try then sees ``ctx.attempt == attempt``."""
+        try:
+            conn = self._connection()
+            dbapi_conn = conn.connection.dbapi_connection
+            assert dbapi_conn is not None
+            dbapi_conn.execute("PRAGMA busy_timeout=0")
+        except Exception:  # noqa: BLE001 - the writer thread opens, retries and reports
+            self._drop_connection()
+            return None, 0
+        try:
+            if len(units) > 1:
+                outcomes, attempt = self._try_group([(unit, True) for unit in units])
+                if outcomes is not None:
+                    self.inline_groups += 1
+                    self.inline_write_count += len(units)
+                return list(outcomes) if outcomes is not None else None, attempt
+            began = False
+            try:
+                fastexec.control(conn, "BEGIN IMMEDIATE")
+                began = True
+                ctx = UnitContext(conn, "sqlite")
+                result = units[0](ctx)
+                fastexec.control(conn, "COMMIT")
             except BaseException as exc:
                 self._abandon(conn)
                 if classify_error(exc) != "fatal" or isinstance(exc, StoreUnavailableError):
-                    return False, None
-                raise
+                    # A failed COMMIT committed nothing once rolled back; the replay still looks
+                    # for its own fresh ids first, as a unit retried on the thread does.
+                    return None, 1 if began else 0
+                self.inline_write_count += 1
+                return [(None, None, exc)], 0
             self.inline_write_count += 1
+            return [(ctx, result, None)], 0
         finally:
-            self.busy.release()
-        self._after_commit(ctx)
-        return True, result
+            try:
+                dbapi_conn.execute(f"PRAGMA busy_timeout={int(self._busy_ms)}")
+            except sqlite3.Error:  # the thread's next unit opens a connection with its timeout
+                self._drop_connection()
 
     def _abandon_reader(self, conn: Connection) -> None:
         if not _roll_back(conn):  # a broken reader connection is replaced

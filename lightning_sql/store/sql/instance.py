@@ -121,6 +121,34 @@ def _relay(cfut: concurrent.futures.Future[T]) -> asyncio.Future[T]:
     return afut
 
 
+async def _outcome(afut: asyncio.Future[T]) -> T:
+    """The result of a unit that was handed over; a cancelled caller still lets it complete or roll
+    back as a whole, then re-raises."""
+    try:
+        return await asyncio.shield(afut)
+    except asyncio.CancelledError:
+        while not afut.done():
+            try:
+                await asyncio.shield(afut)
+            except asyncio.CancelledError:
+                continue
+            except BaseException:  # noqa: BLE001 - the caller is cancelled anyway
+                break
+        raise
+
+
+def _replaying(unit: Callable[[UnitContext], T], attempt: int) -> Callable[[UnitContext], T]:
+    """``unit`` seeing ``ctx.attempt`` at least ``attempt`` (a replay after a try that may have run)."""
+    if attempt == 0:
+        return unit
+
+    def replay(ctx: UnitContext) -> T:
+        ctx.attempt = max(ctx.attempt, attempt)
+        return unit(ctx)
+
+    return replay
+
+
 def _generated_run_name() -> str:
     return f"run-{datetime.now().strftime('%Y%m%d-%H%M%S')}-{generate_id(4)}"
 
@@ -336,15 +364,23 @@ class StoreInstance:
         ``snapshot`` (one REPEATABLE READ READ ONLY transaction); SQLite reads in one transaction,
         on a SQLite file in the calling thread (``SqliteThreadWorker.read_inline``).  A write unit
         runs in one transaction unless it says ``autocommit`` (honoured on PostgreSQL only); on
-        SQLite in the calling thread when the writer connection is free (``write_inline``), else on
-        the writer thread."""
+        SQLite in the calling thread at the loop's next turn, grouped with the loop's other writes,
+        when the writer connection is free (``write_soon``), else on the writer thread."""
         if isinstance(worker, SqliteThreadWorker):
-            done, result = worker.write_inline(unit) if write else worker.read_inline(unit)
-            if done:
-                # Still a suspension point, as when the unit went to the I/O thread: a caller that
-                # polls in a loop must not starve the other tasks of its event loop.
-                await asyncio.sleep(0)
-                return result  # type: ignore[return-value]
+            if write:
+                soon = worker.write_soon(unit)
+                if soon is not None:
+                    done, value = await _outcome(soon)
+                    if done:
+                        return value  # type: ignore[no-any-return]
+                    unit = _replaying(unit, value)
+            else:
+                done, result = worker.read_inline(unit)
+                if done:
+                    # Still a suspension point, as when the unit went to the I/O thread: a caller
+                    # that polls in a loop must not starve the other tasks of its event loop.
+                    await asyncio.sleep(0)
+                    return result  # type: ignore[return-value]
         if isinstance(worker, AsyncLoopWorker) and (not write or autocommit):
             fut = worker.submit(
                 unit,
@@ -355,19 +391,7 @@ class StoreInstance:
             )
         else:
             fut = worker.submit(unit, write=write, deadline_s=self.connect_deadline_seconds)
-        afut = _relay(fut)
-        try:
-            return await asyncio.shield(afut)
-        except asyncio.CancelledError:
-            # The unit was handed over: let it complete or roll back as a whole, then re-raise.
-            while not afut.done():
-                try:
-                    await asyncio.shield(afut)
-                except asyncio.CancelledError:
-                    continue
-                except BaseException:  # noqa: BLE001 - the caller is cancelled anyway
-                    break
-            raise
+        return await _outcome(_relay(fut))
 
     async def _prepare(self, *, needs_run: bool = True) -> tuple[IoWorker, int | None]:
         worker = self._attach()
