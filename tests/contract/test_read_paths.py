@@ -625,6 +625,23 @@ async def test_concurrent_writes_of_one_loop_commit_as_one_inline_group(tmp_path
         await store.close()
 
 
+@pytest.mark.parametrize(("cap", "groups"), [(4, 3), (1, 0)])
+async def test_inline_groups_keep_the_group_size_cap(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cap: int, groups: int
+) -> None:
+    monkeypatch.setattr(eng, "SQLITE_GROUP_COMMIT_MAX", cap)
+    store = SqlLightningStore(f"sqlite:///{tmp_path / 's.db'}", run="r", clock_sync=False, scan_debounce_seconds=3600)
+    try:
+        await store.query_rollouts()  # the first lazy sweep
+        worker = _worker(store)
+        before = worker.inline_groups, worker.inline_write_count
+        await asyncio.gather(*(store.enqueue_rollout({"n": j}) for j in range(10)))
+        assert (worker.inline_groups - before[0], worker.inline_write_count - before[1]) == (groups, 10)
+        assert (await store.statistics())["queue_depth"] == 10
+    finally:
+        await store.close()
+
+
 async def test_writes_from_several_threads_share_the_writer_connection_safely(tmp_path: Path) -> None:
     """Four threads, each with its own event loop and eight concurrent runners, claim and finish 400
     rollouts on one store: writes run inline or, while another thread is inside SQLite, on the writer

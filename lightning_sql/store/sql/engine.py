@@ -581,32 +581,44 @@ class SqliteThreadWorker(IoWorker):
         """Run the writes ``loop`` queued (``write_soon``), when the writer connection is free: no
         other thread of this process inside SQLite (the writer thread, another loop's writes, a
         fork() under way: ``busy`` is held) and no unit waiting for the writer thread (those keep
-        their turn).  Otherwise, and when the try meets a lock or an error that the writer thread's
-        retries and conversions handle (the try was rolled back: it changed nothing), every unit is
-        handed to the writer thread.  The connection waits for no lock here (busy timeout 0 for the
-        whole try), so the caller's event loop never sleeps in SQLite's busy handler."""
+        their turn), in groups of at most ``SQLITE_GROUP_COMMIT_MAX``.  Otherwise, and from a group
+        whose try meets a lock or an error that the writer thread's retries and conversions handle
+        (the try was rolled back: it changed nothing), the units are handed to the writer thread.
+        The connection waits for no lock here (busy timeout 0 for the whole try), so the caller's
+        event loop never sleeps in SQLite's busy handler."""
         items = [(unit, fut) for unit, fut in self._soon.pop(loop, []) if not fut.cancelled()]
         if not items:
             return
-        outcomes: list[tuple[UnitContext | None, Any, BaseException | None]] | None = None
-        attempt = 0
-        if not self.closed and self._queue.empty() and self.busy.acquire(blocking=False):
-            try:
-                if not self.closed:
-                    outcomes, attempt = self._write_here([unit for unit, _fut in items])
-            finally:
-                self.busy.release()
-        if outcomes is None:
+        limit = max(SQLITE_GROUP_COMMIT_MAX, 1)  # groups as on the writer thread (1: one unit each)
+        settled = 0
+        try:
+            if not self.closed and self._queue.empty() and self.busy.acquire(blocking=False):
+                try:
+                    while settled < len(items) and not self.closed:
+                        chunk = items[settled : settled + limit]
+                        outcomes, attempt = self._write_here([unit for unit, _fut in chunk])
+                        if outcomes is None:  # this chunk goes to the thread as a replay, the rest as is
+                            for _unit, fut in chunk:
+                                fut.set_result((False, attempt))
+                            settled += len(chunk)
+                            break
+                        for (_unit, fut), (ctx, result, exc) in zip(chunk, outcomes, strict=True):
+                            if exc is not None:
+                                fut.set_exception(exc)
+                            else:
+                                assert ctx is not None
+                                self._after_commit(ctx)
+                                fut.set_result((True, result))
+                        settled += len(chunk)
+                finally:
+                    self.busy.release()
+            for _unit, fut in items[settled:]:
+                fut.set_result((False, 0))
+        except BaseException as exc:  # noqa: BLE001 - a loop callback: no caller may wait forever
+            logger.error("inline SQLite writes failed unexpectedly", exc_info=True)
             for _unit, fut in items:
-                fut.set_result((False, attempt))
-            return
-        for (_unit, fut), (ctx, result, exc) in zip(items, outcomes, strict=True):
-            if exc is not None:
-                fut.set_exception(exc)
-                continue
-            assert ctx is not None
-            self._after_commit(ctx)
-            fut.set_result((True, result))
+                if not fut.done():
+                    fut.set_exception(exc)
 
     def _write_here(
         self, units: list[Any]
