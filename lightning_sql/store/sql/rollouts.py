@@ -401,9 +401,15 @@ def _claim_next() -> Any:
         .limit(1)
         .scalar_subquery()
     )
+    return _mark_claimed(R.c.rollout_id == first)
+
+
+def _mark_claimed(which: ColumnElement[bool]) -> Any:
+    """UPDATE the run's rollouts ``which`` to claimed (``preparing``, out of the queue, one more
+    attempt), returning their rows with ``attempt_count``."""
     return (
         update(R)
-        .where(R.c.run_id == bindparam("c_run_id"), R.c.rollout_id == first)
+        .where(R.c.run_id == bindparam("c_run_id"), which)
         .values(status="preparing", queue_seq=None, attempt_count=R.c.attempt_count + 1)
         .returning(*ROLLOUT_COLUMNS, R.c.attempt_count)
     )
@@ -429,13 +435,9 @@ def _pick_and_mark(ctx: UnitContext, run_id: int, limit: int) -> tuple[list[str]
     single = len(ids) == 1
     mark = cached(
         ("claim_mark", single),
-        lambda: update(R)
-        .where(
-            R.c.run_id == bindparam("c_run_id"),
-            R.c.rollout_id == bindparam("c_id") if single else R.c.rollout_id.in_(bindparam("c_ids", expanding=True)),
-        )
-        .values(status="preparing", queue_seq=None, attempt_count=R.c.attempt_count + 1)
-        .returning(*ROLLOUT_COLUMNS, R.c.attempt_count),
+        lambda: _mark_claimed(
+            R.c.rollout_id == bindparam("c_id") if single else R.c.rollout_id.in_(bindparam("c_ids", expanding=True))
+        ),
     )
     params: dict[str, Any] = {"c_run_id": run_id}
     if single:
