@@ -1,5 +1,6 @@
-"""The read hot path: SQLite reads in the caller's thread, models built without validation, JSON
-decoded straight by the C scanner.  Each must give exactly what the slower path gives."""
+"""The hot paths: SQLite reads and writes in the caller's thread (writes grouped per loop turn),
+models built without validation, JSON decoded straight by the C scanner.  Each must give exactly
+what the slower path gives."""
 
 from __future__ import annotations
 
