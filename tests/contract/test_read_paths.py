@@ -622,6 +622,7 @@ async def test_concurrent_writes_of_one_loop_commit_as_one_inline_group(tmp_path
         stats = await store.statistics()
         assert (stats["total_spans"], stats["total_rollouts"], stats["queue_depth"]) == (3, 8, 5)
         assert await store.get_next_span_sequence_id(started[0].rollout_id, started[0].attempt.attempt_id) == 2
+        assert worker._soon == {}  # nothing left queued for any loop
     finally:
         await store.close()
 
