@@ -441,8 +441,10 @@ _POLL = ("poll",)  # queued for the SQLite writer thread: poll PRAGMA data_versi
 
 
 class SqliteThreadWorker(IoWorker):
-    """One thread owning one stdlib sqlite3 connection; every unit is one transaction on it, or one
-    savepoint of a group commit when several units wait (``SQLITE_GROUP_COMMIT_MAX``)."""
+    """One writer thread and its stdlib sqlite3 connection; every write unit is one transaction on
+    that connection, or one savepoint of a group commit (``SQLITE_GROUP_COMMIT_MAX``), run by the
+    thread or, while it is idle, by the caller's own thread (``write_soon``) under the ``busy`` lock.
+    Reads of a file run on per-thread reader connections (``read_inline``)."""
 
     # Group commit counters (tests and measurements): groups committed, units they carried, and
     # groups rolled back and replayed one unit at a time.
@@ -456,7 +458,8 @@ class SqliteThreadWorker(IoWorker):
         self._engine: Engine | None = None
         self._conn: Connection | None = None
         self._data_version: int | None = None
-        # Held while this thread is inside SQLite; fork() waits for it (see _quiesce_before_fork).
+        # Held by whoever is inside SQLite on the writer connection (this thread, or a caller's thread
+        # running its loop's writes: write_soon); fork() waits for it (see _quiesce_before_fork).
         self.busy = threading.Lock()
         # Inline reads (read_inline): one reader connection per calling thread, and a gate that a
         # fork() closes until no caller is inside SQLite.
