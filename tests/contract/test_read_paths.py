@@ -356,27 +356,36 @@ async def test_sqlite_file_reads_run_inline_and_match_the_thread(tmp_path: Path)
         await store.close()
 
 
+class _Neighbour:
+    """Another task of the running loop, counting its turns (one per ``period`` seconds at most)."""
+
+    def __init__(self, period: float) -> None:
+        self.ticks = 0
+        self._period = period
+        self._task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            self.ticks += 1
+            await asyncio.sleep(self._period)
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+
 async def test_an_inline_read_still_lets_the_loops_other_tasks_run(tmp_path: Path) -> None:
     """A read that ran inline is still a suspension point: a loop polling with reads does not
     starve its neighbours (it used to yield while the I/O thread worked)."""
     store = SqlLightningStore(f"sqlite:///{tmp_path / 's.db'}", run="r", clock_sync=False)
     try:
         await _with_spans(store, 1)
-        ticks = 0
-
-        async def neighbour() -> None:
-            nonlocal ticks
-            while True:
-                ticks += 1
-                await asyncio.sleep(0)
-
-        task = asyncio.create_task(neighbour())
+        neighbour = _Neighbour(0)
         before = _worker(store).inline_read_count
         for _ in range(20):
             await store.query_rollouts()
         assert _worker(store).inline_read_count - before == 20  # all inline...
-        assert ticks >= 19  # ...and the neighbour ran between them
-        task.cancel()
+        assert neighbour.ticks >= 19  # ...and the neighbour ran between them
+        neighbour.stop()
     finally:
         await store.close()
 
@@ -522,22 +531,14 @@ async def test_a_write_that_meets_a_lock_goes_to_the_writer_thread(tmp_path: Pat
         before = worker.inline_write_count
         locker = sqlite3.connect(path, isolation_level=None, timeout=0)
         locker.execute("BEGIN IMMEDIATE")
-        ticks = 0
-
-        async def neighbour() -> None:
-            nonlocal ticks
-            while True:
-                ticks += 1
-                await asyncio.sleep(0.01)
-
-        ticker = asyncio.create_task(neighbour())
+        neighbour = _Neighbour(0.01)
         call = asyncio.create_task(store.enqueue_rollout({"x": 1}))
         await asyncio.sleep(0.5)
-        assert not call.done() and ticks >= 10  # waiting, off the caller's loop
+        assert not call.done() and neighbour.ticks >= 10  # waiting, off the caller's loop
         locker.rollback()
         locker.close()
         rollout = await asyncio.wait_for(call, 30)
-        ticker.cancel()
+        neighbour.stop()
         assert worker.inline_write_count == before  # it ran on the writer thread
         assert [r.rollout_id for r in await store.query_rollouts()] == [rollout.rollout_id]
         await store.enqueue_rollout({"x": 2})
