@@ -231,6 +231,21 @@ def test_generate_id_length_and_alphabet() -> None:
     assert len({generate_id(12) for _ in range(1000)}) == 1000
 
 
+def test_generate_id_hashes_the_bytes_of_a_uuid4(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Contract §0.5: SHA-1 over the 16 bytes of a random UUID4 (version and variant bits set as
+    ``uuid.UUID(bytes=..., version=4)`` sets them), whatever the random bytes are."""
+    import hashlib
+    import uuid
+
+    from lightning_sql.types import core
+
+    for random_bytes in (bytes(16), b"\xff" * 16, bytes(range(16)), bytes(range(200, 216))):
+        monkeypatch.setattr(core, "_urandom", lambda n, b=random_bytes: b[:n])
+        expected = hashlib.sha1(uuid.UUID(bytes=random_bytes, version=4).bytes).hexdigest()
+        assert generate_id(40) == expected
+        assert generate_id(12) == expected[:12]
+
+
 def test_id_formats() -> None:
     assert re.fullmatch(f"ro-{HEX}{{12}}", new_rollout_id())
     assert re.fullmatch(f"at-{HEX}{{8}}", new_attempt_id())

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-import uuid
+import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Generic, Literal, TypedDict, TypeVar, cast, overload
 
@@ -65,8 +65,19 @@ _RETRYABLE_ATTEMPT_STATUSES: tuple[AttemptStatus, ...] = ("failed", "timeout", "
 
 
 def generate_id(length: int) -> str:
-    """Return `length` random lowercase hex characters (SHA-1 over the bytes of a UUID4, as upstream)."""
-    return hashlib.sha1(uuid.uuid4().bytes).hexdigest()[:length]
+    """Return `length` random lowercase hex characters (SHA-1 over the bytes of a UUID4, as upstream).
+
+    The UUID4's 16 bytes are built as ``uuid.uuid4()`` builds them (16 random bytes from
+    ``os.urandom``, then the version and variant bits) without the ``UUID`` object (half the cost;
+    ids are made on every claim and enqueue)."""
+    raw = bytearray(_urandom(16))
+    raw[6] = (raw[6] & 0x0F) | 0x40  # version 4
+    raw[8] = (raw[8] & 0x3F) | 0x80  # RFC 4122 variant
+    return _sha1(raw).hexdigest()[:length]
+
+
+_urandom = os.urandom
+_sha1 = hashlib.sha1
 
 
 def new_rollout_id() -> str:
