@@ -34,6 +34,16 @@ _TOUCH = cached(
         mode=R.c.mode
     ),
 )
+_STAMP = cached(  # bind processors (JSON's encoder, Float's) and a literal bound value (the 0.25)
+    ("test_fastexec_stamp",),
+    lambda: update(R)
+    .where(R.c.run_id == bindparam("t_run_id"), R.c.rollout_id == bindparam("t_id"))
+    .values(
+        end_time=bindparam("t_time", type_=R.c.end_time.type) + 0.25,
+        metadata=bindparam("t_meta", type_=R.c.metadata.type),
+    )
+    .returning(R.c.rollout_id, R.c.end_time, R.c.metadata),
+)
 
 
 def _rows(result: Any) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
@@ -68,10 +78,47 @@ async def test_prebuilt_statements_return_what_sqlalchemy_returns(store: Any) ->
         for status in ("queuing", "preparing", "succeeded"):
             params = {"t_run_id": run_id, "t_status": status}
             assert fastexec.execute(ctx.conn, _TOUCH, params).rowcount == ctx.conn.execute(_TOUCH, params).rowcount
+        # The same statement with its parameters named in another order, and an int where the
+        # column's bind processor makes a float: the same rows either way.
+        for params in (
+            {"t_run_id": run_id, "t_id": ids[5], "t_time": 7, "t_meta": {"n": [1, "two"]}},
+            {"t_meta": {"m": None}, "t_time": 2.5, "t_id": ids[5], "t_run_id": run_id},
+        ):
+            fast = _rows(fastexec.execute(ctx.conn, _STAMP, params))
+            slow = _rows(ctx.conn.execute(_STAMP, params))
+            expected = (ids[5], params["t_time"] + 0.25, params["t_meta"])
+            columns = dict(zip(("rollout_id", "end_time", "metadata"), expected, strict=True))
+            assert fast == slow == [(expected, columns)]
+            assert [type(v) for row, _ in fast for v in row] == [str, float, dict]
         return checked
 
     counts = await store._call("test", unit, write=True)
     assert counts == ["4", "0", "3", "1", "0", "3"]
+
+
+def test_plans_follow_the_connections_execution_options(tmp_path: Any) -> None:
+    """A statement's plan is looked up again when the connection's execution options change (here
+    its schema translation), and found again when they are the same object."""
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(f"sqlite:///{tmp_path / 'plans.db'}")
+    stmt = cached(("test_fastexec_options",), lambda: select(R.c.rollout_id).where(R.c.run_id == bindparam("t_run_id")))
+    try:
+        with engine.connect() as conn:
+            conn.execute(text("ATTACH DATABASE ':memory:' AS other"))
+            for schema, rows in (("main", "(1, 'in-main')"), ("other", "(1, 'in-other')")):
+                conn.execute(text(f"CREATE TABLE {schema}.rollouts (run_id INTEGER, rollout_id TEXT)"))
+                conn.execute(text(f"INSERT INTO {schema}.rollouts VALUES {rows}"))
+            plain = fastexec._hot_lookup(conn, stmt, {"t_run_id": 1})
+            assert plain is not None and plain.schema_map is None
+            assert fastexec._hot_lookup(conn, stmt, {"t_run_id": 1}) is plain
+            assert [row.rollout_id for row in fastexec.execute(conn, stmt, {"t_run_id": 1})] == ["in-main"]
+            conn.execution_options(schema_translate_map={None: "other"})
+            moved = fastexec._hot_lookup(conn, stmt, {"t_run_id": 1})
+            assert moved is not None and moved is not plain and (moved.schema_map or {}).get(None) == "other"
+            assert [row.rollout_id for row in fastexec.execute(conn, stmt, {"t_run_id": 1})] == ["in-other"]
+    finally:
+        engine.dispose()
 
 
 async def test_missing_parameter_raises_sqlalchemys_error(store: Any) -> None:

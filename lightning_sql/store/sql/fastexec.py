@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import keyword
+import operator
 import threading
 from collections import namedtuple
 from collections.abc import Iterator, Mapping, Sequence
@@ -59,6 +60,12 @@ class _Plan:
     defaults: Mapping[str, Any] | None = None
     pieces: tuple[str, ...] | None = None  # the SQL text split around expanding placeholders
     expanded_sql: dict[tuple[int, ...], str] | None = None
+    # No expanding placeholder: the values in placeholder order straight from the parameters (and
+    # ``defaults``) with ``operator.itemgetter``, then the bind processors ``plain_procs`` (index,
+    # processor) applied; the SQL text is ``plain_sql``.
+    plain_values: Any = None
+    plain_procs: tuple[tuple[int, Any], ...] = ()
+    plain_sql: str | None = None
 
 
 _plans: dict[tuple[Any, ...], _Plan | None] = {}
@@ -154,7 +161,16 @@ def _plan_for(
         return None
     returning = bool(compiled.effective_returning or compiled._result_columns)
     slots, defaults, pieces = _direct_binding(compiled, dialect, schema_map)
+    plain_values: Any = None
+    plain_sql: str | None = None
+    if slots and pieces is not None and all(arity == 0 for _name, _proc, arity in slots):
+        names = [name for name, _proc, _arity in slots]
+        plain_values = operator.itemgetter(*names) if len(names) > 1 else _one_value(names[0])
+        plain_sql = pieces[0]
     return _Plan(
+        plain_values=plain_values,
+        plain_procs=tuple((i, proc) for i, (_name, proc, _arity) in enumerate(slots or ()) if proc is not None),
+        plain_sql=plain_sql,
         slots=slots,
         defaults=defaults,
         pieces=pieces,
@@ -232,6 +248,35 @@ def _result_processors(conn: Connection, plan: _Plan, description: Any) -> tuple
     return plan.result_processors
 
 
+def _one_value(name: str) -> Any:
+    def values(params: Mapping[str, Any]) -> tuple[Any]:
+        return (params[name],)
+
+    return values
+
+
+# The plans last looked up, by statement, parameter names (in the caller's order) and execution
+# options: what ``_lookup`` would find again, without building its key (about a microsecond per
+# statement).  Each entry holds the statement and the options object it was found for and is used
+# only for those very objects; the dict is emptied when it grows past ``_HOT_MAX`` entries.
+_hot: dict[tuple[int, tuple[str, ...], int], tuple[Any, Any, Any, _Plan | None]] = {}
+_HOT_MAX = 4096
+
+
+def _hot_lookup(conn: Connection, stmt: Any, first_params: Mapping[str, Any] | None) -> _Plan | None:
+    """``_lookup``, through ``_hot`` first."""
+    options = conn.get_execution_options()
+    key = (id(stmt), tuple(first_params) if first_params else (), id(options))
+    entry = _hot.get(key)
+    if entry is not None and entry[0] is stmt and entry[1] is options and entry[2] is conn.dialect:
+        return entry[3]
+    plan = _lookup(conn, stmt, first_params)
+    if len(_hot) >= _HOT_MAX:
+        _hot.clear()
+    _hot[key] = (stmt, options, conn.dialect, plan)
+    return plan
+
+
 def _lookup(conn: Connection, stmt: Any, first_params: Mapping[str, Any] | None) -> _Plan | None:
     options = conn.get_execution_options()
     schema_map = options.get("schema_translate_map")
@@ -290,9 +335,19 @@ def _direct_binding(
     return tuple(slots), defaults, tuple(pieces)
 
 
-def _direct_positional(plan: _Plan, params: Mapping[str, Any]) -> tuple[str, list[Any]] | None:
+def _direct_positional(plan: _Plan, params: Mapping[str, Any]) -> tuple[str, Sequence[Any]] | None:
     """The text and parameters straight from ``params``; None to take SQLAlchemy's path (a
     missing value, an empty IN list) so that its errors and special cases stay exactly its own."""
+    if plan.plain_values is not None:
+        try:
+            values = plan.plain_values({**plan.defaults, **params} if plan.defaults else params)
+        except KeyError:
+            return None  # a missing value: SQLAlchemy's path raises its own error
+        if plan.plain_procs:
+            values = list(values)
+            for index, proc in plan.plain_procs:
+                values[index] = proc(values[index])
+        return plan.plain_sql, values  # type: ignore[return-value]  # a str when plain_values is set
     assert plan.slots is not None and plan.defaults is not None and plan.pieces is not None
     out: list[Any] = []
     lengths: list[int] = []
@@ -331,7 +386,7 @@ def _direct_positional(plan: _Plan, params: Mapping[str, Any]) -> tuple[str, lis
     return sql, out
 
 
-def _positional(plan: _Plan, params: Mapping[str, Any]) -> tuple[str, list[Any]]:
+def _positional(plan: _Plan, params: Mapping[str, Any]) -> tuple[str, Sequence[Any]]:
     """The SQL text and positional parameters of one execution."""
     if plan.slots is not None:
         fast = _direct_positional(plan, params)
@@ -370,7 +425,7 @@ def execute(conn: Connection, stmt: Any, params: Mapping[str, Any] | Sequence[Ma
             return conn.execute(stmt, params)
         many = list(params)
     single: Mapping[str, Any] = {} if many is not None or params is None else params  # type: ignore[assignment]
-    plan = _lookup(conn, stmt, many[0] if many is not None else single)
+    plan = _hot_lookup(conn, stmt, many[0] if many is not None else single)
     if plan is None or (many is not None and not plan.executemany_ok):
         return conn.execute(stmt, params)  # type: ignore[arg-type]
     if not conn.in_transaction():
