@@ -29,10 +29,10 @@ import sqlite3
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from sqlalchemy import URL, Connection, Engine, create_engine, event, make_url, text
 from sqlalchemy.exc import DBAPIError, DisconnectionError, OperationalError
@@ -225,6 +225,28 @@ class UnitContext:
 
 
 Unit = Callable[[UnitContext], T]
+
+
+def _same_batch(unit: Any, first: BatchUnit[Any]) -> bool:
+    return isinstance(unit, BatchUnit) and unit.key == first.key
+
+
+class BatchUnit(Generic[T]):
+    """A write unit that a SQLite group commit may run together with the units of the same ``key``
+    queued right after it, as one unit: ``run_batch(ctx, [args, ...])`` gives each unit's result,
+    what the units would give run one after the other in that order (concurrent claims become one
+    claim of several rollouts).  Alone, or replayed, it is ``run_batch(ctx, [args])``."""
+
+    __slots__ = ("key", "args", "run_batch")
+
+    def __init__(self, key: Hashable, args: Any, run_batch: Callable[[UnitContext, list[Any]], list[T]]) -> None:
+        self.key = key
+        self.args = args
+        self.run_batch = run_batch
+
+    def __call__(self, ctx: UnitContext) -> T:
+        (result,) = self.run_batch(ctx, [self.args])
+        return result
 
 
 def _sqlstate(exc: BaseException) -> str | None:
@@ -451,6 +473,7 @@ class SqliteThreadWorker(IoWorker):
     group_commits = 0
     grouped_units = 0
     group_replays = 0
+    batched_units = 0  # units of committed groups that ran as part of a batch (BatchUnit)
 
     def __init__(self, target: DatabaseTarget, *, schema: str | None, options: dict[str, Any]) -> None:
         super().__init__(target, schema=schema, options=options)
@@ -842,8 +865,24 @@ class SqliteThreadWorker(IoWorker):
             self._abandon(conn)
             return None, 0
         outcomes: list[tuple[UnitContext, Any, BaseException | None]] = []
-        for item in items:
-            unit = item[0]
+        batched = 0
+        index = alone_until = 0  # the units of a batch that failed run alone, each in its savepoint
+        while index < len(items):
+            unit = items[index][0]
+            index += 1
+            if isinstance(unit, BatchUnit) and index > alone_until:
+                first = index - 1
+                while index < len(items) and _same_batch(items[index][0], unit):
+                    index += 1
+                if index - first > 1:
+                    done = self._try_batch(conn, raw, [item[0] for item in items[first:index]])
+                    if done is None:
+                        return None, 0
+                    if done:
+                        outcomes.extend(done)
+                        batched += len(done)
+                        continue
+                    alone_until, index = index, first + 1
             ctx = UnitContext(conn, "sqlite", attempt=0)
             try:
                 raw.execute("SAVEPOINT lightning_sql_unit")
@@ -872,7 +911,36 @@ class SqliteThreadWorker(IoWorker):
             # the replay still starts at 1, as a unit alone retries after a failed commit: its
             # look-ups for its own fresh ids only cost a query and cover an ambiguous I/O error.
             return None, 1
+        self.batched_units += batched
         return outcomes, 0
+
+    def _try_batch(
+        self, conn: Connection, raw: Any, batch: list[BatchUnit[Any]]
+    ) -> list[tuple[UnitContext, Any, BaseException | None]] | None:
+        """Run ``batch`` (units of one key, two or more) as one unit in one savepoint of a group's
+        try: their outcomes; [] after rolling the savepoint back when it raised an error that stays
+        with a unit (they then run one by one, each in its own savepoint, so each gets its own
+        outcome); None when the whole try must be given up (the connection is rolled back)."""
+        ctx = UnitContext(conn, "sqlite", attempt=0)
+        try:
+            raw.execute("SAVEPOINT lightning_sql_unit")
+            try:
+                results = batch[0].run_batch(ctx, [unit.args for unit in batch])
+            except BaseException as exc:  # noqa: BLE001 - the units run again one by one
+                if classify_error(exc) != "fatal" or isinstance(exc, StoreUnavailableError):
+                    self._abandon(conn)
+                    return None
+                raw.execute("ROLLBACK TO lightning_sql_unit")
+                raw.execute("RELEASE lightning_sql_unit")
+                return []
+            raw.execute("RELEASE lightning_sql_unit")
+        except BaseException:  # noqa: BLE001 - a savepoint statement failed: the replay decides
+            self._abandon(conn)
+            return None
+        if len(results) != len(batch):
+            raise RuntimeError(f"a batch of {len(batch)} units gave {len(results)} results")
+        # The batch's events are announced once, with its first unit; the others have none of their own.
+        return [(ctx if i == 0 else UnitContext(conn, "sqlite"), result, None) for i, result in enumerate(results)]
 
     def _abandon(self, conn: Connection | None) -> None:
         """Roll the connection's transaction back; a connection that cannot is replaced.

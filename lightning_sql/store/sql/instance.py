@@ -27,6 +27,7 @@ from lightning_sql.store.sql import schema as s
 from lightning_sql.store.sql import sweeper
 from lightning_sql.store.sql.engine import (
     AsyncLoopWorker,
+    BatchUnit,
     DatabaseTarget,
     IoWorker,
     SchemaUnit,
@@ -442,6 +443,28 @@ class StoreInstance:
             await self._maybe_sweep(worker, run_id)
         now = self.now()
         return await self._submit(worker, lambda ctx: unit(ctx, run_id, now), write=write, autocommit=autocommit)
+
+    async def _call_batchable(
+        self,
+        method: str,
+        run_batch: Callable[[UnitContext, int, list[Any]], list[T]],
+        args: Any,
+        *,
+        sweeps: bool = False,
+        autocommit: bool = False,
+    ) -> T:
+        """``_call`` of a write unit that a SQLite group commit may run together with the same
+        method's units queued right after it (``engine.BatchUnit``): ``run_batch(ctx, run_id,
+        [(now, args), ...])`` returns each call's result, what the calls would return run one after
+        the other in that order; a call alone (every PostgreSQL call) is a batch of one."""
+        self._check_writable(method)
+        worker, run_id = await self._prepare()
+        assert run_id is not None
+        if sweeps:
+            await self._maybe_sweep(worker, run_id)
+        # Units batch with those of the same function and run (dequeue_rollout's with dequeue_many_rollouts').
+        unit = BatchUnit((run_batch, run_id), (self.now(), args), lambda ctx, many: run_batch(ctx, run_id, many))
+        return await self._submit(worker, unit, write=True, autocommit=autocommit)
 
     def _sweep_due(self) -> bool:
         if self.read_only:

@@ -338,6 +338,62 @@ def claim(
     return out
 
 
+def claim_batch(
+    ctx: UnitContext, run_id: int, calls: Sequence[tuple[float, tuple[Sequence[str], str | None]]]
+) -> list[list[AttemptedRollout]]:
+    """``claim`` for several calls ``(now, (attempt_ids, worker_id))`` at once, each call's claimed
+    rollouts: what ``claim`` gives each call run right after the calls before it (its share of the
+    next rollouts in queue order, its attempts started at its ``now``, its worker's row synced or
+    marked idle).  On SQLite (writers serialised) it is ONE claim of all their rollouts: one pick
+    and mark, one insert of the attempts, the workers' rows in order.  One call, a replay (which
+    looks for its own attempts first) and PostgreSQL (no group commit): ``claim`` per call."""
+    if len(calls) == 1 or ctx.attempt > 0 or ctx.dialect != "sqlite":
+        return [claim(ctx, run_id, now, attempt_ids, worker_id) for now, (attempt_ids, worker_id) in calls]
+    total = sum(len(attempt_ids) for _now, (attempt_ids, _worker_id) in calls)
+    if total == 1:
+        rows = ctx.execute(cached(("claim_next", ctx.dialect), _claim_next), {"c_run_id": run_id}).all()
+        ids = [row.rollout_id for row in rows]
+    else:
+        ids, rows = _pick_and_mark(ctx, run_id, total) if total else ([], [])
+    by_id = {row.rollout_id: row for row in rows}
+    picked = iter(ids)
+    out: list[list[AttemptedRollout]] = []
+    attempt_rows = []
+    for now, (attempt_ids, worker_id) in calls:
+        claimed = []
+        for aid, rid in zip(attempt_ids, picked, strict=False):  # attempt ids first: zip takes no extra id
+            row = by_id[rid]
+            attempt_rows.append(_attempt_row(run_id, rid, aid, row.attempt_count, worker_id, now))
+            claimed.append(_attempted_claim(row, aid, now, worker_id))
+        out.append(claimed)
+    if attempt_rows:
+        ctx.execute(cached("attempt_insert", A.insert), attempt_rows)
+    for (now, (_attempt_ids, worker_id)), claimed in zip(calls, out, strict=True):
+        if claimed and worker_id:
+            last = claimed[-1]
+            sync_worker(
+                ctx, run_id, now, worker_id, "preparing", last.rollout_id, last.attempt.attempt_id, claim=True
+            ).execute(ctx)
+        elif not claimed and worker_id is not None:
+            mark_idle_on_empty_queue(ctx, run_id, now, worker_id)
+    return out
+
+
+def _attempt_row(
+    run_id: int, rollout_id: str, attempt_id: str, sequence_id: int, worker_id: str | None, now: float
+) -> dict[str, Any]:
+    """The row of a claim's fresh ``preparing`` attempt."""
+    return {
+        "run_id": run_id,
+        "rollout_id": rollout_id,
+        "attempt_id": attempt_id,
+        "sequence_id": sequence_id,
+        "status": "preparing",
+        "worker_id": worker_id,
+        "start_time": now,
+    }
+
+
 def _replayed_claim(ctx: UnitContext, run_id: int, attempt_ids: Sequence[str]) -> list[AttemptedRollout]:
     rows = ctx.execute(
         select(A).where(A.c.run_id == run_id, A.c.attempt_id.in_(list(attempt_ids)))
@@ -375,17 +431,7 @@ def _claim_fresh(
     result: list[AttemptedRollout] = []
     for rid, aid in zip(ids, attempt_ids, strict=False):
         row = by_id[rid]
-        attempt_rows.append(
-            {
-                "run_id": run_id,
-                "rollout_id": rid,
-                "attempt_id": aid,
-                "sequence_id": row.attempt_count,
-                "status": "preparing",
-                "worker_id": worker_id,
-                "start_time": now,
-            }
-        )
+        attempt_rows.append(_attempt_row(run_id, rid, aid, row.attempt_count, worker_id, now))
         result.append(_attempted_claim(row, aid, now, worker_id))
     ctx.execute(cached("attempt_insert", A.insert), attempt_rows)
     return result, False

@@ -224,10 +224,10 @@ class SqlLightningStore(StoreInstance, LightningStore):
             # Nothing to claim and no worker to mark idle: only the [sweeps] part of the call remains.
             await self._sweep_only()
             return []
-        return await self._call(
+        return await self._call_batchable(
             method,
-            lambda ctx, run_id, now: ro.claim(ctx, run_id, now, attempt_ids, worker_id),
-            write=True,
+            ro.claim_batch,  # concurrent claims: one claim of their rollouts (SQLite group commit)
+            (attempt_ids, worker_id),
             sweeps=True,
             autocommit=True,  # each statement of a claim is atomic and replay-safe (ro.claim)
         )

@@ -1,0 +1,178 @@
+"""Concurrent claims as one claim (``rollouts.claim_batch``, ``engine.BatchUnit``; ADR 0005 decision 7).
+
+On SQLite the claims that a group commit carries one after the other run as ONE claim of all their
+rollouts; each call must still get what it would get if the calls ran one after the other in that
+order: its share of the queue in queue order, its attempts, its worker's row.  A batch that fails
+is rolled back and its calls run one by one.  Every backend must give the same per-call invariants
+(PostgreSQL runs each claim on its own: no batch there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from typing import Any
+
+import pytest
+
+from lightning_sql.store.sql import rollouts as ro
+from lightning_sql.types import EnqueueRolloutRequest
+from tests.contract.test_group_commit import held, queued
+
+SQLITE = pytest.mark.parametrize("backend", ["sqlite_file", "sqlite_memory"], indirect=True)
+
+# (worker_id, limit): None as limit is dequeue_rollout, an int dequeue_many_rollouts(limit=...).
+CALLS: list[tuple[str | None, int | None]] = [
+    ("w0", None),
+    ("w1", 3),
+    ("w0", None),  # the same worker again: its row follows its last claim
+    ("w2", 0),  # claims nothing: marked idle
+    (None, None),  # no worker row
+    ("w3", 4),
+    ("w4", None),  # the queue (10 rollouts) is empty by now: marked idle
+]
+# Each call's rollouts (indexes in enqueue order) when the calls run one after the other.
+IN_ORDER = [[0], [1, 2, 3], [4], [], [5], [6, 7, 8, 9], []]
+
+
+async def _issue(store: Any, calls: list[tuple[str | None, int | None]]) -> list[list[Any]]:
+    async def one(worker_id: str | None, limit: int | None) -> list[Any]:
+        if limit is None:
+            ar = await store.dequeue_rollout(worker_id=worker_id)
+            return [] if ar is None else [ar]
+        return list(await store.dequeue_many_rollouts(limit=limit, worker_id=worker_id))
+
+    return list(await asyncio.gather(*(one(worker_id, limit) for worker_id, limit in calls)))
+
+
+async def _ready(store: Any, n: int) -> list[str]:
+    """Enqueue ``n`` rollouts (a call that also binds the run and runs the lazy sweep)."""
+    requests = [EnqueueRolloutRequest(input={"i": i}) for i in range(n)]
+    return [r.rollout_id for r in await store.enqueue_many_rollouts(requests)]
+
+
+def _shares(ids: list[str], results: list[list[Any]]) -> list[list[int]]:
+    return [[ids.index(ar.rollout_id) for ar in got] for got in results]
+
+
+def _batched(store: Any) -> int:
+    return int(getattr(store._worker, "batched_units", 0))
+
+
+async def _check_invariants(store: Any, ids: list[str], results: list[list[Any]]) -> None:
+    """What holds on every backend, in whatever order the calls ran."""
+    claimed = [ar.rollout_id for got in results for ar in got]
+    assert sorted(claimed) == sorted(ids)  # each rollout once, none left
+    for (worker_id, limit), got in zip(CALLS, results, strict=True):
+        assert len(got) <= (1 if limit is None else limit)
+        for ar in got:
+            assert ar.status == "preparing" and ar.attempt.status == "preparing"
+            assert ar.attempt.sequence_id == 1 and ar.attempt.worker_id == worker_id
+            stored = await store.get_latest_attempt(ar.rollout_id)
+            assert stored is not None and stored.attempt_id == ar.attempt.attempt_id
+            assert (await store.get_rollout_by_id(ar.rollout_id)).status == "preparing"
+    workers = {w.worker_id: w for w in await store.query_workers()}
+    assert set(workers) == {"w0", "w1", "w2", "w3", "w4"}
+    for worker_id, worker in workers.items():
+        theirs = [got for (wid, _limit), got in zip(CALLS, results, strict=True) if wid == worker_id]
+        mine = {ar.rollout_id for got in theirs for ar in got}
+        if all(theirs):  # every call of this worker claimed something: busy on one of them
+            assert worker.status == "busy" and worker.current_rollout_id in mine
+        elif not mine:  # none did: idle
+            assert worker.status == "idle" and worker.current_rollout_id is None
+        # (a worker with calls of both kinds ends as its last call left it: order-dependent)
+
+
+async def test_concurrent_claims_get_their_share_once(store: Any) -> None:
+    ids = await _ready(store, 10)
+    results = await _issue(store, CALLS)
+    await _check_invariants(store, ids, results)
+    assert await store.dequeue_rollout(worker_id="late") is None
+
+
+@SQLITE
+async def test_a_batch_gives_each_call_what_calls_in_order_get(store_factory: Any) -> None:
+    """One loop turn's claims are one batch, and each call gets exactly its in-order share."""
+    store = store_factory(scan_debounce_seconds=3600)  # one sweep (the enqueue's): claims queue in order
+    ids = await _ready(store, 10)
+    before = _batched(store)
+    results = await _issue(store, CALLS)
+    assert _batched(store) - before == len(CALLS)  # all seven ran as one claim
+    assert _shares(ids, results) == IN_ORDER
+    await _check_invariants(store, ids, results)
+    workers = {w.worker_id: w for w in await store.query_workers()}
+    assert workers["w0"].current_rollout_id == ids[4]  # its later claim
+    assert workers["w3"].current_rollout_id == ids[9]  # the last of its four
+    assert workers["w0"].current_attempt_id == results[2][0].attempt.attempt_id
+    # Workers are created in call order (their base order), as the calls one after the other create them.
+    assert [w.worker_id for w in await store.query_workers()] == ["w0", "w1", "w2", "w3", "w4"]
+
+
+@SQLITE
+async def test_claims_one_by_one_match_the_batch(store_factory: Any) -> None:
+    """The same calls awaited one after the other (no batch) give the same shares and worker rows."""
+    sequential = store_factory(scan_debounce_seconds=3600)
+    ids = await _ready(sequential, 10)
+    results = []
+    for call in CALLS:
+        results.extend(await _issue(sequential, [call]))
+    assert _batched(sequential) == 0
+    assert _shares(ids, results) == IN_ORDER
+    await _check_invariants(sequential, ids, results)
+
+
+class _Boom(Exception):
+    pass
+
+
+@SQLITE
+@pytest.mark.parametrize(
+    "error",
+    [_Boom("after the batch's writes"), sqlite3.OperationalError("database is locked")],
+    ids=["error-of-the-batch", "transient-error"],
+)
+async def test_a_failing_batch_is_rolled_back_and_its_calls_run_alone(
+    store_factory: Any, monkeypatch: pytest.MonkeyPatch, error: Exception
+) -> None:
+    """A batch that raises after all its writes leaves nothing behind: its calls run one by one
+    (in the same group after a savepoint rollback, or replayed after a transient error) and each
+    rollout is still claimed once, in order."""
+    real = ro.claim_batch
+    failed: list[int] = []
+
+    def failing(ctx: Any, run_id: int, calls: Any) -> Any:
+        result = real(ctx, run_id, calls)
+        if len(calls) > 1:
+            failed.append(len(calls))
+            raise error
+        return result
+
+    monkeypatch.setattr(ro, "claim_batch", failing)
+    store = store_factory(scan_debounce_seconds=3600)
+    ids = await _ready(store, 10)
+    results = await _issue(store, CALLS)
+    if isinstance(error, _Boom):
+        assert failed == [len(CALLS)]  # rolled back to its savepoint; the calls then ran alone
+    else:  # the group is given up; its replay on the writer thread tries a batch again, then alone
+        assert failed and set(failed) == {len(CALLS)}
+    assert _batched(store) == 0
+    assert _shares(ids, results) == IN_ORDER
+    await _check_invariants(store, ids, results)
+    attempts = [a for rid in ids for a in await store.query_attempts(rid)]
+    assert len(attempts) == 10  # the rolled-back batch's attempts are gone
+
+
+@SQLITE
+async def test_the_writer_thread_batches_queued_claims(store_factory: Any) -> None:
+    """Claims waiting in the writer thread's queue (here: behind a unit that holds the thread) are
+    batched there too."""
+    store = store_factory(scan_debounce_seconds=3600)
+    ids = await _ready(store, 10)
+    worker = store._worker
+    with held(worker):
+        issued = asyncio.ensure_future(_issue(store, CALLS))
+        await queued(worker, len(CALLS))
+    results = await issued
+    assert _batched(store) == len(CALLS)
+    assert _shares(ids, results) == IN_ORDER
+    await _check_invariants(store, ids, results)
