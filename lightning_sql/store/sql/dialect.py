@@ -492,6 +492,22 @@ class Write:
         return ctx.execute(cached(self.key, self.build), self.params)
 
 
+def run_in_order(ctx: UnitContext, writes: Sequence[Write]) -> None:
+    """Run ``writes`` one after the other, each seeing the ones before it; consecutive writes of one
+    statement go to the driver as one ``executemany`` (which runs them in order too)."""
+    start = 0
+    while start < len(writes):
+        end = start + 1
+        while end < len(writes) and writes[end].key == writes[start].key:
+            end += 1
+        if end - start == 1:
+            writes[start].execute(ctx)
+        else:
+            first = writes[start]
+            ctx.execute(cached(first.key, first.build), [write.params for write in writes[start:end]])
+        start = end
+
+
 def run_writes(ctx: UnitContext, writes: Sequence[Write]) -> Any:
     """Run a unit's last writes and return the first row of the first one's RETURNING (or None).
 

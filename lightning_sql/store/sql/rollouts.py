@@ -26,7 +26,7 @@ from lightning_sql.store.sql.rows import (
     rollout_from_row,
 )
 from lightning_sql.store.sql.statements import cached, prebuilt
-from lightning_sql.store.sql.workers import mark_idle_on_empty_queue, sync_worker
+from lightning_sql.store.sql.workers import idle_on_empty_queue, mark_idle_on_empty_queue, sync_worker
 from lightning_sql.types import (
     FINISHED_STATUSES,
     QUEUED_STATUSES,
@@ -368,14 +368,15 @@ def claim_batch(
         out.append(claimed)
     if attempt_rows:
         ctx.execute(cached("attempt_insert", A.insert), attempt_rows)
+    worker_writes = []
     for (now, (_attempt_ids, worker_id)), claimed in zip(calls, out, strict=True):
         if claimed and worker_id:
             last = claimed[-1]
-            sync_worker(
-                ctx, run_id, now, worker_id, "preparing", last.rollout_id, last.attempt.attempt_id, claim=True
-            ).execute(ctx)
+            rid, aid = last.rollout_id, last.attempt.attempt_id
+            worker_writes.append(sync_worker(ctx, run_id, now, worker_id, "preparing", rid, aid, claim=True))
         elif not claimed and worker_id is not None:
-            mark_idle_on_empty_queue(ctx, run_id, now, worker_id)
+            worker_writes.append(idle_on_empty_queue(ctx, run_id, now, worker_id))
+    d.run_in_order(ctx, worker_writes)
     return out
 
 
