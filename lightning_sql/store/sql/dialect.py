@@ -131,11 +131,37 @@ def claim_in_one_statement(
     return list(ctx.execute(stmt, params).all())
 
 
+def claim_many_in_one_statement(
+    ctx: UnitContext,
+    run_id: int,
+    attempt_ids: Sequence[str],
+    worker_ids: Sequence[str | None],
+    nows: Sequence[float],
+    returning: Sequence[Any],
+) -> list[Any]:
+    """PostgreSQL: ``claim_in_one_statement`` for the attempts of several calls, each attempt with
+    its own worker id and start time (the i-th picked rollout gets the i-th attempt), without the
+    worker rows (the caller writes them in call order).  Rows in queue order, as there."""
+    columns = tuple(c.name for c in returning)
+    stmt = cached(
+        ("claim_many_one_statement", columns),
+        lambda: _claim_statement(returning, with_worker=False, per_attempt=True),
+    )
+    params = {
+        "claim_run_id": run_id,
+        "claim_limit": len(attempt_ids),
+        "claim_attempt_ids": list(attempt_ids),
+        "claim_worker_ids": list(worker_ids),
+        "claim_nows": list(nows),
+    }
+    return list(ctx.execute(stmt, params).all())
+
+
 # The worker columns a claim sets (workers._BUSY_CLAIM); an existing row keeps every other column.
 _CLAIM_WORKER_COLUMNS = ("status", "last_busy_time", "current_rollout_id", "current_attempt_id", "last_dequeue_time")
 
 
-def _claim_statement(returning: Sequence[Any], *, with_worker: bool) -> Any:
+def _claim_statement(returning: Sequence[Any], *, with_worker: bool, per_attempt: bool = False) -> Any:
     R, A = s.rollouts, s.attempts
     run_id = bindparam("claim_run_id", type_=Integer)
     picked = (
@@ -154,19 +180,32 @@ def _claim_statement(returning: Sequence[Any], *, with_worker: bool) -> Any:
         .cte("claimed")
     )
     ranked = select(claimed, func.row_number().over(order_by=claimed.c.picked_seq).label("pos")).cte("ranked")
-    ids = (
-        func.unnest(bindparam("claim_attempt_ids", type_=postgresql.ARRAY(Text)))
-        .table_valued("attempt_id", with_ordinality="pos")
-        .render_derived(name="ids")
-    )
+    if per_attempt:  # each attempt its worker and start time: parallel arrays
+        ids = (
+            func.unnest(
+                bindparam("claim_attempt_ids", type_=postgresql.ARRAY(Text)),
+                bindparam("claim_worker_ids", type_=postgresql.ARRAY(Text)),
+                bindparam("claim_nows", type_=postgresql.ARRAY(Float(precision=53))),
+            )
+            .table_valued("attempt_id", "worker_id", "now", with_ordinality="pos")
+            .render_derived(name="ids")
+        )
+        worker_id, now = ids.c.worker_id, ids.c.now
+    else:
+        ids = (
+            func.unnest(bindparam("claim_attempt_ids", type_=postgresql.ARRAY(Text)))
+            .table_valued("attempt_id", with_ordinality="pos")
+            .render_derived(name="ids")
+        )
+        worker_id, now = bindparam("claim_worker_id", type_=Text), bindparam("claim_now", type_=Float(precision=53))
     attempt_rows = select(
         run_id,
         ranked.c.rollout_id,
         ids.c.attempt_id,
         ranked.c.attempt_count,
         literal("preparing", Text),
-        bindparam("claim_worker_id", type_=Text),
-        bindparam("claim_now", type_=Float(precision=53)),
+        worker_id,
+        now,
     ).select_from(ranked.join(ids, ids.c.pos == ranked.c.pos))
     inserted = (
         core_insert(A)

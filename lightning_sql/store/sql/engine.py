@@ -408,6 +408,9 @@ class WorkerKey:
 class IoWorker:
     """Base of the per-process, per-database I/O workers."""
 
+    # Units (BatchUnit) that ran as part of a committed batch: a counter for tests and measurements.
+    batched_units = 0
+
     def __init__(self, target: DatabaseTarget, *, schema: str | None, options: dict[str, Any]) -> None:
         self.target = target
         self.schema = schema
@@ -473,7 +476,6 @@ class SqliteThreadWorker(IoWorker):
     group_commits = 0
     grouped_units = 0
     group_replays = 0
-    batched_units = 0  # units of committed groups that ran as part of a batch (BatchUnit)
 
     def __init__(self, target: DatabaseTarget, *, schema: str | None, options: dict[str, Any]) -> None:
         super().__init__(target, schema=schema, options=options)
@@ -1103,6 +1105,9 @@ class AsyncLoopWorker(IoWorker):
         self._inbox: list[Any] = []  # submitted units not started yet (submit / _start_submitted)
         self._inbox_lock = threading.Lock()
         self._running: set[asyncio.Task[Any]] = set()  # the loop keeps only weak references to tasks
+        # Batchable units (BatchUnit) that callers' loops gathered for their next turn, by (caller's
+        # loop, unit key): see StoreInstance._submit_batchable.
+        self.batches: dict[tuple[asyncio.AbstractEventLoop, Hashable], list[Any]] = {}
         self._thread = threading.Thread(
             target=self._main, name=f"lightning-sql-io[{target.masked}]", daemon=True
         )

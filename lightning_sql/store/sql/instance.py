@@ -38,6 +38,7 @@ from lightning_sql.store.sql.engine import (
     release_worker,
     wake_loop,
 )
+from lightning_sql.store.sql.errors import StoreUnavailableError
 from lightning_sql.store.sql.rows import encoded
 from lightning_sql.types import LightningStoreCapabilities, RolloutConfig, check_text, generate_id
 
@@ -136,6 +137,22 @@ async def _outcome(afut: asyncio.Future[T]) -> T:
             except BaseException:  # noqa: BLE001 - the caller is cancelled anyway
                 break
         raise
+
+
+def _settle(source: asyncio.Future[T], target: asyncio.Future[T]) -> None:
+    """Complete ``target`` as ``source`` completes."""
+
+    def copy(done: asyncio.Future[T]) -> None:
+        if target.done():
+            return
+        if done.cancelled():
+            target.cancel()
+        elif done.exception() is not None:
+            target.set_exception(done.exception())  # type: ignore[arg-type]
+        else:
+            target.set_result(done.result())
+
+    source.add_done_callback(copy)
 
 
 def _replaying(unit: Callable[[UnitContext], T], attempt: int) -> Callable[[UnitContext], T]:
@@ -382,6 +399,8 @@ class StoreInstance:
                     # that polls in a loop must not starve the other tasks of its event loop.
                     await asyncio.sleep(0)
                     return result  # type: ignore[return-value]
+        if isinstance(worker, AsyncLoopWorker) and write and isinstance(unit, BatchUnit):
+            return await self._submit_batchable(worker, unit, autocommit=autocommit)
         if isinstance(worker, AsyncLoopWorker) and (not write or autocommit):
             fut = worker.submit(
                 unit,
@@ -393,6 +412,65 @@ class StoreInstance:
         else:
             fut = worker.submit(unit, write=write, deadline_s=self.connect_deadline_seconds)
         return await _outcome(_relay(fut))
+
+    async def _submit_batchable(self, worker: AsyncLoopWorker, unit: BatchUnit[T], *, autocommit: bool) -> T:
+        """A batchable write unit on the I/O loop (PostgreSQL, aiosqlite): the units of its key that
+        this event loop's tasks submit until its next turn run as ONE unit, in one transaction, each
+        caller getting its own result (the SQLite writer does the same in its group commits).  A
+        unit alone runs as it came (``autocommit`` as asked).  When the batch fails with an error
+        of its own, its transaction committed nothing and the units run alone, one after the
+        other, each for its own outcome; an unavailable or refused database fails them all."""
+        loop = asyncio.get_running_loop()
+        key = (loop, unit.key)
+        fut: asyncio.Future[T] = loop.create_future()
+        pending = worker.batches.get(key)
+        if pending is None:
+            pending = worker.batches[key] = []
+            loop.call_soon(self._flush_batch, worker, key, autocommit)
+        pending.append((unit, fut))
+        return await _outcome(fut)
+
+    def _flush_batch(self, worker: AsyncLoopWorker, key: Any, autocommit: bool) -> None:
+        items: list[tuple[BatchUnit[Any], asyncio.Future[Any]]] = worker.batches.pop(key, [])
+        deadline = self.connect_deadline_seconds
+        if len(items) == 1:
+            (unit, fut), = items
+            _settle(_relay(worker.submit(unit, write=True, deadline_s=deadline, autocommit=autocommit)), fut)
+            return
+        units = [unit for unit, _fut in items]
+        combined = _relay(
+            worker.submit(
+                lambda ctx: units[0].run_batch(ctx, [unit.args for unit in units]), write=True, deadline_s=deadline
+            )
+        )
+
+        def settle(done: asyncio.Future[list[Any]]) -> None:
+            if done.cancelled():
+                for _unit, fut in items:
+                    fut.cancel()
+                return
+            exc = done.exception()
+            if exc is None:
+                worker.batched_units += len(items)
+                for (_unit, fut), result in zip(items, done.result(), strict=True):
+                    if not fut.done():
+                        fut.set_result(result)
+            elif isinstance(exc, (StoreUnavailableError, PermissionError)):
+                for _unit, fut in items:
+                    if not fut.done():
+                        fut.set_exception(exc)
+            else:  # the batch's own error: its transaction committed nothing
+                alone(0)
+
+        def alone(index: int) -> None:
+            """The units one after the other (in their order, as the batch would have run them)."""
+            if index < len(items):
+                unit, fut = items[index]
+                done = _relay(worker.submit(unit, write=True, deadline_s=deadline, autocommit=autocommit))
+                _settle(done, fut)
+                done.add_done_callback(lambda _done: alone(index + 1))
+
+        combined.add_done_callback(settle)
 
     async def _prepare(self, *, needs_run: bool = True) -> tuple[IoWorker, int | None]:
         worker = self._attach()

@@ -344,11 +344,30 @@ def claim_batch(
     """``claim`` for several calls ``(now, (attempt_ids, worker_id))`` at once, each call's claimed
     rollouts: what ``claim`` gives each call run right after the calls before it (its share of the
     next rollouts in queue order, its attempts started at its ``now``, its worker's row synced or
-    marked idle).  On SQLite (writers serialised) it is ONE claim of all their rollouts: one pick
-    and mark, one insert of the attempts, the workers' rows in order.  One call, a replay (which
-    looks for its own attempts first) and PostgreSQL (no group commit): ``claim`` per call."""
-    if len(calls) == 1 or ctx.attempt > 0 or ctx.dialect != "sqlite":
+    marked idle).  It is ONE claim of all their rollouts (SQLite: one pick and mark, one insert of
+    the attempts; PostgreSQL: one statement), then the workers' rows in call order.  One call, and
+    a replay (which looks for its own attempts first): ``claim`` per call."""
+    if len(calls) == 1 or ctx.attempt > 0:
         return [claim(ctx, run_id, now, attempt_ids, worker_id) for now, (attempt_ids, worker_id) in calls]
+    if ctx.dialect == "postgresql":
+        out = _claim_many_postgres(ctx, run_id, calls)
+    else:
+        out = _claim_many_sqlite(ctx, run_id, calls)
+    worker_writes = []
+    for (now, (_attempt_ids, worker_id)), claimed in zip(calls, out, strict=True):
+        if claimed and worker_id:
+            last = claimed[-1]
+            rid, aid = last.rollout_id, last.attempt.attempt_id
+            worker_writes.append(sync_worker(ctx, run_id, now, worker_id, "preparing", rid, aid, claim=True))
+        elif not claimed and worker_id is not None:
+            worker_writes.append(idle_on_empty_queue(ctx, run_id, now, worker_id))
+    d.run_in_order(ctx, worker_writes)
+    return out
+
+
+def _claim_many_sqlite(
+    ctx: UnitContext, run_id: int, calls: Sequence[tuple[float, tuple[Sequence[str], str | None]]]
+) -> list[list[AttemptedRollout]]:
     total = sum(len(attempt_ids) for _now, (attempt_ids, _worker_id) in calls)
     if total == 1:
         rows = ctx.execute(cached(("claim_next", ctx.dialect), _claim_next), {"c_run_id": run_id}).all()
@@ -368,16 +387,23 @@ def claim_batch(
         out.append(claimed)
     if attempt_rows:
         ctx.execute(cached("attempt_insert", A.insert), attempt_rows)
-    worker_writes = []
-    for (now, (_attempt_ids, worker_id)), claimed in zip(calls, out, strict=True):
-        if claimed and worker_id:
-            last = claimed[-1]
-            rid, aid = last.rollout_id, last.attempt.attempt_id
-            worker_writes.append(sync_worker(ctx, run_id, now, worker_id, "preparing", rid, aid, claim=True))
-        elif not claimed and worker_id is not None:
-            worker_writes.append(idle_on_empty_queue(ctx, run_id, now, worker_id))
-    d.run_in_order(ctx, worker_writes)
     return out
+
+
+def _claim_many_postgres(
+    ctx: UnitContext, run_id: int, calls: Sequence[tuple[float, tuple[Sequence[str], str | None]]]
+) -> list[list[AttemptedRollout]]:
+    attempt_ids = [aid for _now, (ids, _worker_id) in calls for aid in ids]
+    worker_ids = [worker_id for _now, (ids, worker_id) in calls for _aid in ids]
+    nows = [now for now, (ids, _worker_id) in calls for _aid in ids]
+    if not attempt_ids:
+        return [[] for _call in calls]
+    rows = d.claim_many_in_one_statement(ctx, run_id, attempt_ids, worker_ids, nows, ROLLOUT_COLUMNS)
+    by_attempt = {row.attempt_id: row for row in rows}  # the first len(rows) attempt ids, in call order
+    return [
+        [_attempted_claim(by_attempt[aid], aid, now, worker_id) for aid in ids if aid in by_attempt]
+        for now, (ids, worker_id) in calls
+    ]
 
 
 def _attempt_row(
