@@ -87,6 +87,32 @@ async def test_add_span_returns_the_same_object_and_round_trips(store):
     assert got.model_extra == {"extra_field": {"nested": [1, {"x": "y"}]}, "flag": True}
 
 
+async def test_read_back_status_context_and_resource_are_the_written_ones(store):
+    """The sub-models of a span read back equal the written ones, extras included, and belong to
+    that span alone (the read path adopts a decoded dict as a model's own state when its keys are
+    the model's fields in order, and copies it otherwise)."""
+    rid, aid = await _started(store)
+    plain = make_span(rid, aid, 1)
+    context = SpanContext(trace_id=plain.trace_id, span_id="00f067aa0ba902b7", is_remote=True, trace_state={"a": "b"})
+    odd = make_span(rid, aid, 2).model_copy(
+        update={
+            "status": TraceStatus(status_code="ERROR", description="boom", detail=7),  # an extra field
+            "context": context,
+            "parent": SpanContext.model_validate({**context.model_dump(), "flags": 1}),  # another one
+        }
+    )
+    await store.add_many_spans([plain, odd])
+    first, second = await store.query_spans(rid)
+    assert [first, second] == [plain, odd]
+    assert first.status.model_extra == {} and second.status.model_extra == {"detail": 7}
+    assert second.parent is not None and second.parent.model_extra == {"flags": 1}
+    assert first.context is not None and first.context.model_extra == {}
+    first.status.description = "changed here"
+    first.resource.attributes["added"] = "here"
+    again, _ = await store.query_spans(rid)
+    assert again == plain and second.status.description == "boom"
+
+
 async def test_duplicate_span_returns_none_logs_error_and_gives_no_heartbeat(store, clock, caplog):
     rid, aid = await _started(store)
     span = make_span(rid, aid, 1)

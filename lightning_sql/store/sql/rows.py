@@ -97,6 +97,16 @@ def construct(cls: type[M], values: dict[str, Any]) -> M:
     return _constructor(cls)(values)  # type: ignore[no-any-return]
 
 
+def adopt(cls: type[M], values: dict[str, Any]) -> M:
+    """``construct(cls, values)`` for a dict that nothing else holds (a decoded JSON column): when
+    its keys are the model's fields in their order (what the store wrote), the dict itself becomes
+    the model's ``__dict__`` instead of a copy."""
+    constructor = _constructor(cls)
+    if constructor.fast and len(values) == len(constructor.names) and tuple(values) == constructor.names:
+        return _bare(cls, values, constructor.name_set, constructor.empty_extra())  # type: ignore[no-any-return]
+    return constructor(values)  # type: ignore[no-any-return]
+
+
 _new = object.__new__
 _set_dict = object.__setattr__
 _set_fields_set = BaseModel.__dict__["__pydantic_fields_set__"].__set__
@@ -409,15 +419,15 @@ def span_from_row(row: Row[Any] | Any) -> Span:
         "span_id": sid,
         "parent_id": pid,
         "name": name,
-        "status": construct(TraceStatus, extra["status"]),
+        "status": adopt(TraceStatus, extra["status"]),
         "attributes": attributes if attributes is not None else {},
         "events": [construct(Event, event) for event in events] if events else [],
         "links": [_link(link) for link in links] if links else [],
         "start_time": start,
         "end_time": end,
-        "context": None if context is None else construct(SpanContext, context),
-        "parent": None if parent is None else construct(SpanContext, parent),
-        "resource": construct(OtelResource, resource),
+        "context": None if context is None else adopt(SpanContext, context),
+        "parent": None if parent is None else adopt(SpanContext, parent),
+        "resource": adopt(OtelResource, resource),
     }
     more = {k: v for k, v in extra.items() if k not in _SPAN_EXTRA_FIELDS} if len(extra) > 3 else {}
     return _bare(Span, data, _SPAN_NAMES, more)  # type: ignore[no-any-return]
