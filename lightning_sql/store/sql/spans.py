@@ -11,7 +11,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import bindparam, case, func, select, tuple_, update
+from sqlalchemy import Integer, Text, bindparam, case, func, select, tuple_, update
+from sqlalchemy.dialects.postgresql import ARRAY
 
 from lightning_sql.store.sql import dialect as d
 from lightning_sql.store.sql import filters as f
@@ -20,6 +21,7 @@ from lightning_sql.store.sql.engine import UnitContext
 from lightning_sql.store.sql.rows import span_from_row
 from lightning_sql.store.sql.statements import cached
 from lightning_sql.types import QUEUED_STATUSES, PaginatedResult, Span, check_text
+from lightning_sql.types.jsonvalue import encode_json
 
 logger = logging.getLogger("lightning_sql.store")
 
@@ -94,6 +96,71 @@ def reserve_sequence_ids(ctx: UnitContext, run_id: int, pairs: Sequence[tuple[st
         out.append(next_value[rid])
         next_value[rid] += 1
     return out
+
+
+def reserve_sequence_ids_batch(
+    ctx: UnitContext, run_id: int, calls: Sequence[tuple[float, Sequence[tuple[str, str]]]]
+) -> list[list[int]]:
+    """``reserve_sequence_ids`` for several calls ``(now, pairs)`` at once, each call's ids: what
+    the calls get run one after the other in that order (a rollout's ids in call order, then pair
+    order), from ONE statement that moves every rollout's counter by its total.  An unknown
+    rollout fails the whole batch (whose calls then run alone: only its own call fails).  One call,
+    or a replay: ``reserve_sequence_ids`` per call."""
+    if len(calls) == 1 or ctx.attempt > 0:
+        return [reserve_sequence_ids(ctx, run_id, pairs) for _now, pairs in calls]
+    counts: dict[str, int] = {}
+    for _now, pairs in calls:
+        for rid, _aid in pairs:
+            counts[rid] = counts.get(rid, 0) + 1
+    ends = _bump_counters(ctx, run_id, counts)
+    next_value: dict[str, int] = {}
+    for rid, count in counts.items():
+        if rid not in ends:
+            raise ValueError(f"Rollout {rid} not found")
+        next_value[rid] = ends[rid] - count + 1
+    out = []
+    for _now, pairs in calls:
+        ids = []
+        for rid, _aid in pairs:
+            ids.append(next_value[rid])
+            next_value[rid] += 1
+        out.append(ids)
+    return out
+
+
+def _bump_counters(ctx: UnitContext, run_id: int, counts: dict[str, int]) -> dict[str, int]:
+    """Add ``counts[rid]`` to each rollout's span counter in one statement: the new values of the
+    rollouts found (atomic on its own: PostgreSQL may run it without a transaction)."""
+    if ctx.dialect == "postgresql":
+        stmt = cached(("span_bump_counters", "postgresql"), _bump_counters_postgres)
+        params: dict[str, Any] = {"s_run_id": run_id, "s_ids": list(counts), "s_counts": list(counts.values())}
+    else:
+        stmt = cached(("span_bump_counters", "sqlite"), _bump_counters_sqlite)
+        params = {"s_run_id": run_id, "s_counts": encode_json(counts, "counts")}
+    return {row[0]: int(row[1]) for row in ctx.execute(stmt, params)}
+
+
+def _bump_counters_postgres() -> Any:
+    amounts = (
+        func.unnest(bindparam("s_ids", type_=ARRAY(s.IdText())), bindparam("s_counts", type_=ARRAY(Integer)))
+        .table_valued("rid", "n")
+        .render_derived(name="amounts")
+    )
+    return _bump_from(amounts.c.rid, amounts.c.n)
+
+
+def _bump_counters_sqlite() -> Any:
+    amounts = func.json_each(bindparam("s_counts", type_=Text)).table_valued("key", "value").alias("amounts")
+    return _bump_from(amounts.c.key, amounts.c.value)
+
+
+def _bump_from(rollout_id: Any, amount: Any) -> Any:
+    return (
+        update(R)
+        .where(R.c.run_id == bindparam("s_run_id"), R.c.rollout_id == rollout_id)
+        .values(span_seq=R.c.span_seq + amount)
+        .returning(R.c.rollout_id, R.c.span_seq)
+    )
 
 
 def add_spans(

@@ -594,10 +594,10 @@ class SqlLightningStore(StoreInstance, LightningStore):
         for rid, _aid in pairs:
             if not is_storable_text(rid):
                 raise ValueError(f"Rollout {rid} not found")
-        return await self._call(
+        return await self._call_batchable(
             "get_many_span_sequence_ids",
-            lambda ctx, run_id, now: span_units.reserve_sequence_ids(ctx, run_id, pairs),
-            write=True,
+            span_units.reserve_sequence_ids_batch,  # concurrent calls: one statement for them all
+            pairs,
             autocommit=len({rid for rid, _aid in pairs}) == 1,  # one statement (reserve_sequence_ids)
         )
 

@@ -1,10 +1,12 @@
-"""Concurrent claims as one claim (``rollouts.claim_batch``, ``engine.BatchUnit``; ADR 0005 decision 7).
+"""Concurrent calls as one call (``engine.BatchUnit``; ADR 0005 decision 7): claims
+(``rollouts.claim_batch``) and sequence-id reservations (``spans.reserve_sequence_ids_batch``).
 
-The claims that one event loop issues in the same turn run as ONE claim of all their rollouts (the
-SQLite writer's group commit; on the I/O loop of PostgreSQL and aiosqlite, one transaction); each
-call must still get what it would get if the calls ran one after the other in that order: its share
-of the queue in queue order, its attempts, its worker's row.  A batch that fails is rolled back and
-its calls run one by one.
+The calls of one kind that one event loop issues in the same turn run as ONE unit (the SQLite
+writer's group commit; on the I/O loop of PostgreSQL and aiosqlite, one transaction): one claim of
+all their rollouts, one statement for all their sequence ids.  Each call must still get what it
+would get if the calls ran one after the other in that order: its share of the queue in queue
+order, its attempts, its worker's row; its sequence ids.  A batch that fails is rolled back and its
+calls run one by one, each with its own outcome.
 """
 
 from __future__ import annotations
@@ -174,3 +176,35 @@ async def test_the_writer_thread_batches_queued_claims(store_factory: Any) -> No
     assert _batched(store) == len(CALLS)
     assert _shares(ids, results) == IN_ORDER
     await _check_invariants(store, ids, results)
+
+
+# --- sequence ids -----------------------------------------------------------------------------
+
+
+async def test_sequence_ids_of_a_batch_are_those_of_calls_in_order(store_factory: Any) -> None:
+    """Concurrent ``get_many_span_sequence_ids`` calls, several on one rollout: one batch, and each
+    call gets the ids it would get with the calls awaited one after the other."""
+    store = store_factory(scan_debounce_seconds=3600)
+    started = [await store.start_rollout({"i": i}) for i in range(3)]
+    r0, r1, r2 = [(ar.rollout_id, ar.attempt.attempt_id) for ar in started]
+    calls = [[r0, r0, r0], [r1, r0], [r2], [r0, r1], [r1]]
+    before = _batched(store)
+    got = await asyncio.gather(*(store.get_many_span_sequence_ids(pairs) for pairs in calls))
+    assert [list(ids) for ids in got] == [[1, 2, 3], [1, 4], [1], [5, 2], [3]]
+    assert _batched(store) - before == len(calls)
+    # The counters moved by exactly what was handed out: the next calls continue from there.
+    assert list(await store.get_many_span_sequence_ids([r0, r1, r2])) == [6, 4, 2]
+
+
+async def test_an_unknown_rollout_fails_its_own_call_only(store_factory: Any) -> None:
+    store = store_factory(scan_debounce_seconds=3600)
+    ar = await store.start_rollout({"i": 1})
+    pair = (ar.rollout_id, ar.attempt.attempt_id)
+    calls = [[pair, pair], [("ro-missing", "at-x"), pair], [pair]]
+    got = await asyncio.gather(
+        *(store.get_many_span_sequence_ids(pairs) for pairs in calls), return_exceptions=True
+    )
+    assert list(got[0]) == [1, 2] and list(got[2]) == [3]  # the failed call took no id
+    assert isinstance(got[1], ValueError) and str(got[1]) == "Rollout ro-missing not found"
+    assert list(await store.get_many_span_sequence_ids([pair])) == [4]
+    assert _batched(store) == 0  # the batch failed; its calls ran alone
