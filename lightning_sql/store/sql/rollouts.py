@@ -26,7 +26,7 @@ from lightning_sql.store.sql.rows import (
     rollout_from_row,
 )
 from lightning_sql.store.sql.statements import cached, prebuilt
-from lightning_sql.store.sql.workers import idle_on_empty_queue, mark_idle_on_empty_queue, sync_worker
+from lightning_sql.store.sql.workers import idle_on_empty_queue, sync_worker
 from lightning_sql.types import (
     FINISHED_STATUSES,
     QUEUED_STATUSES,
@@ -329,13 +329,23 @@ def claim(
         out = _replayed_claim(ctx, run_id, attempt_ids) if ctx.attempt > 0 else []
         if not out:
             out, synced = _claim_fresh(ctx, run_id, now, attempt_ids, worker_id)
-    if out and worker_id and not synced:  # upstream's worker sync skips a falsy id...
-        last = out[-1]
-        rid, aid = last.rollout_id, last.attempt.attempt_id
-        sync_worker(ctx, run_id, now, worker_id, "preparing", rid, aid, claim=True).execute(ctx)
-    elif not out and worker_id is not None:  # ...but its empty-queue idle marking does not
-        mark_idle_on_empty_queue(ctx, run_id, now, worker_id)
+    write = None if out and synced else _worker_write(ctx, run_id, now, worker_id, out)
+    if write is not None:
+        write.execute(ctx)
     return out
+
+
+def _worker_write(
+    ctx: UnitContext, run_id: int, now: float, worker_id: str | None, claimed: list[AttemptedRollout]
+) -> d.Write | None:
+    """The write of a claim to its worker's row: busy on the last rollout claimed, or idle when none."""
+    if claimed and worker_id:  # upstream's worker sync skips a falsy id...
+        last = claimed[-1]
+        rid, aid = last.rollout_id, last.attempt.attempt_id
+        return sync_worker(ctx, run_id, now, worker_id, "preparing", rid, aid, claim=True)
+    if not claimed and worker_id is not None:  # ...but its empty-queue idle marking does not
+        return idle_on_empty_queue(ctx, run_id, now, worker_id)
+    return None
 
 
 def claim_batch(
@@ -353,15 +363,11 @@ def claim_batch(
         out = _claim_many_postgres(ctx, run_id, calls)
     else:
         out = _claim_many_sqlite(ctx, run_id, calls)
-    worker_writes = []
-    for (now, (_attempt_ids, worker_id)), claimed in zip(calls, out, strict=True):
-        if claimed and worker_id:
-            last = claimed[-1]
-            rid, aid = last.rollout_id, last.attempt.attempt_id
-            worker_writes.append(sync_worker(ctx, run_id, now, worker_id, "preparing", rid, aid, claim=True))
-        elif not claimed and worker_id is not None:
-            worker_writes.append(idle_on_empty_queue(ctx, run_id, now, worker_id))
-    d.run_in_order(ctx, worker_writes)
+    writes = [
+        _worker_write(ctx, run_id, now, worker_id, claimed)
+        for (now, (_ids, worker_id)), claimed in zip(calls, out, strict=True)
+    ]
+    d.run_in_order(ctx, [write for write in writes if write is not None])
     return out
 
 

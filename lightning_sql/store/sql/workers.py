@@ -73,13 +73,9 @@ _IDLE_ON_EMPTY = (
 )
 
 
-def mark_idle_on_empty_queue(ctx: UnitContext, run_id: int, now: float, worker_id: str) -> None:
-    """A worker that found nothing to claim: idle (unless already idle), ``last_dequeue_time = now``."""
-    idle_on_empty_queue(ctx, run_id, now, worker_id).execute(ctx)
-
-
 def idle_on_empty_queue(ctx: UnitContext, run_id: int, now: float, worker_id: str) -> d.Write:
-    """``mark_idle_on_empty_queue``'s write, to run with ``.execute(ctx)`` or with others."""
+    """A worker that found nothing to claim: idle (unless already idle), ``last_dequeue_time = now``
+    (a write: run it with ``.execute(ctx)``, or with others)."""
     values = {"status": "idle", "last_idle_time": now, "last_dequeue_time": now}
     return _upsert(ctx, run_id, worker_id, values, _IDLE_ON_EMPTY)
 
