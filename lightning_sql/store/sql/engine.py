@@ -237,12 +237,21 @@ class BatchUnit(Generic[T]):
     what the units would give run one after the other in that order (concurrent claims become one
     claim of several rollouts).  Alone, or replayed, it is ``run_batch(ctx, [args])``."""
 
-    __slots__ = ("key", "args", "run_batch")
+    __slots__ = ("key", "args", "run_batch", "atomic")
 
-    def __init__(self, key: Hashable, args: Any, run_batch: Callable[[UnitContext, list[Any]], list[T]]) -> None:
+    def __init__(
+        self,
+        key: Hashable,
+        args: Any,
+        run_batch: Callable[[UnitContext, list[Any]], list[T]],
+        *,
+        atomic: bool = False,
+    ) -> None:
         self.key = key
         self.args = args
         self.run_batch = run_batch
+        # A batch of these is one atomic statement: on PostgreSQL it runs without a transaction.
+        self.atomic = atomic
 
     def __call__(self, ctx: UnitContext) -> T:
         (result,) = self.run_batch(ctx, [self.args])

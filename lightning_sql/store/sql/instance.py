@@ -416,8 +416,9 @@ class StoreInstance:
     async def _submit_batchable(self, worker: AsyncLoopWorker, unit: BatchUnit[T], *, autocommit: bool) -> T:
         """A batchable write unit on the I/O loop (PostgreSQL, aiosqlite): the units of its key that
         this event loop's tasks submit until its next turn run as ONE unit, in one transaction, each
-        caller getting its own result (the SQLite writer does the same in its group commits).  A
-        unit alone runs as it came (``autocommit`` as asked).  When the batch fails with an error
+        caller getting its own result (the SQLite writer does the same in its group commits), or
+        without a transaction when the batch is one statement (``BatchUnit.atomic``).  A unit alone
+        runs as it came (``autocommit`` as asked).  When the batch fails with an error
         of its own, its transaction committed nothing and the units run alone, one after the
         other, each for its own outcome; an unavailable or refused database fails them all."""
         loop = asyncio.get_running_loop()
@@ -440,7 +441,10 @@ class StoreInstance:
         units = [unit for unit, _fut in items]
         combined = _relay(
             worker.submit(
-                lambda ctx: units[0].run_batch(ctx, [unit.args for unit in units]), write=True, deadline_s=deadline
+                lambda ctx: units[0].run_batch(ctx, [unit.args for unit in units]),
+                write=True,
+                deadline_s=deadline,
+                autocommit=units[0].atomic,
             )
         )
 
@@ -530,18 +534,23 @@ class StoreInstance:
         *,
         sweeps: bool = False,
         autocommit: bool = False,
+        atomic_batch: bool = False,
     ) -> T:
-        """``_call`` of a write unit that a SQLite group commit may run together with the same
-        method's units queued right after it (``engine.BatchUnit``): ``run_batch(ctx, run_id,
-        [(now, args), ...])`` returns each call's result, what the calls would return run one after
-        the other in that order; a call alone (every PostgreSQL call) is a batch of one."""
+        """``_call`` of a write unit that may run together with the units of the same ``run_batch``
+        and run issued in the same turn of the caller's event loop (``engine.BatchUnit``):
+        ``run_batch(ctx, run_id, [(now, args), ...])`` returns each call's result, what the calls
+        would return run one after the other in that order; a call alone is a batch of one.
+        ``autocommit``: a call alone may run without a transaction (PostgreSQL); ``atomic_batch``:
+        a batch too (it is one statement)."""
         self._check_writable(method)
         worker, run_id = await self._prepare()
         assert run_id is not None
         if sweeps:
             await self._maybe_sweep(worker, run_id)
         # Units batch with those of the same function and run (dequeue_rollout's with dequeue_many_rollouts').
-        unit = BatchUnit((run_batch, run_id), (self.now(), args), lambda ctx, many: run_batch(ctx, run_id, many))
+        unit = BatchUnit(
+            (run_batch, run_id), (self.now(), args), lambda ctx, many: run_batch(ctx, run_id, many), atomic=atomic_batch
+        )
         return await self._submit(worker, unit, write=True, autocommit=autocommit)
 
     def _sweep_due(self) -> bool:

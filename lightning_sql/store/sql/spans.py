@@ -103,10 +103,11 @@ def reserve_sequence_ids_batch(
 ) -> list[list[int]]:
     """``reserve_sequence_ids`` for several calls ``(now, pairs)`` at once, each call's ids: what
     the calls get run one after the other in that order (a rollout's ids in call order, then pair
-    order), from ONE statement that moves every rollout's counter by its total.  An unknown
-    rollout fails the whole batch (whose calls then run alone: only its own call fails).  One call,
-    or a replay: ``reserve_sequence_ids`` per call."""
-    if len(calls) == 1 or ctx.attempt > 0:
+    order), from ONE statement that moves every rollout's counter by its total, or none when one
+    of them is unknown (atomic on its own: PostgreSQL runs a batch without a transaction).  An
+    unknown rollout fails the whole batch (whose calls then run alone: only its own call fails).
+    One call: ``reserve_sequence_ids``."""
+    if len(calls) == 1:
         return [reserve_sequence_ids(ctx, run_id, pairs) for _now, pairs in calls]
     counts: dict[str, int] = {}
     for _now, pairs in calls:
@@ -129,35 +130,50 @@ def reserve_sequence_ids_batch(
 
 
 def _bump_counters(ctx: UnitContext, run_id: int, counts: dict[str, int]) -> dict[str, int]:
-    """Add ``counts[rid]`` to each rollout's span counter in one statement: the new values of the
-    rollouts found (atomic on its own: PostgreSQL may run it without a transaction)."""
+    """Add ``counts[rid]`` to each rollout's span counter in one statement, only when every one of
+    them exists: their new values, or {} (nothing changed) when one is unknown."""
+    params: dict[str, Any] = {"s_run_id": run_id, "s_n": len(counts)}
     if ctx.dialect == "postgresql":
         stmt = cached(("span_bump_counters", "postgresql"), _bump_counters_postgres)
-        params: dict[str, Any] = {"s_run_id": run_id, "s_ids": list(counts), "s_counts": list(counts.values())}
+        params.update(s_ids=list(counts), s_counts=list(counts.values()))
     else:
         stmt = cached(("span_bump_counters", "sqlite"), _bump_counters_sqlite)
-        params = {"s_run_id": run_id, "s_counts": encode_json(counts, "counts")}
+        params["s_counts"] = encode_json(counts, "counts")
     return {row[0]: int(row[1]) for row in ctx.execute(stmt, params)}
 
 
 def _bump_counters_postgres() -> Any:
-    amounts = (
-        func.unnest(bindparam("s_ids", type_=ARRAY(s.IdText())), bindparam("s_counts", type_=ARRAY(Integer)))
-        .table_valued("rid", "n")
-        .render_derived(name="amounts")
-    )
-    return _bump_from(amounts.c.rid, amounts.c.n)
+    def amounts(name: str) -> Any:
+        return (
+            func.unnest(bindparam("s_ids", type_=ARRAY(s.IdText())), bindparam("s_counts", type_=ARRAY(Integer)))
+            .table_valued("rid", "n")
+            .render_derived(name=name)
+        )
+
+    moved, wanted = amounts("amounts"), amounts("wanted")
+    return _bump_from(moved.c.rid, moved.c.n, wanted.c.rid)
 
 
 def _bump_counters_sqlite() -> Any:
-    amounts = func.json_each(bindparam("s_counts", type_=Text)).table_valued("key", "value").alias("amounts")
-    return _bump_from(amounts.c.key, amounts.c.value)
+    def amounts(name: str) -> Any:
+        return func.json_each(bindparam("s_counts", type_=Text)).table_valued("key", "value").alias(name)
+
+    moved, wanted = amounts("amounts"), amounts("wanted")
+    return _bump_from(moved.c.key, moved.c.value, wanted.c.key)
 
 
-def _bump_from(rollout_id: Any, amount: Any) -> Any:
+def _bump_from(rollout_id: Any, amount: Any, wanted_id: Any) -> Any:
+    """UPDATE the rollouts named by ``rollout_id`` by ``amount`` when all ``wanted_id`` exist."""
+    found = R.alias("found")
+    all_found = (
+        select(func.count())
+        .select_from(found)
+        .where(found.c.run_id == bindparam("s_run_id"), found.c.rollout_id.in_(select(wanted_id)))
+        .scalar_subquery()
+    )
     return (
         update(R)
-        .where(R.c.run_id == bindparam("s_run_id"), R.c.rollout_id == rollout_id)
+        .where(R.c.run_id == bindparam("s_run_id"), R.c.rollout_id == rollout_id, all_found == bindparam("s_n"))
         .values(span_seq=R.c.span_seq + amount)
         .returning(R.c.rollout_id, R.c.span_seq)
     )

@@ -599,6 +599,7 @@ class SqlLightningStore(StoreInstance, LightningStore):
             span_units.reserve_sequence_ids_batch,  # concurrent calls: one statement for them all
             pairs,
             autocommit=len({rid for rid, _aid in pairs}) == 1,  # one statement (reserve_sequence_ids)
+            atomic_batch=True,
         )
 
     async def query_spans(
