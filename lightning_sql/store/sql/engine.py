@@ -232,10 +232,11 @@ def _same_batch(unit: Any, first: BatchUnit[Any]) -> bool:
 
 
 class BatchUnit(Generic[T]):
-    """A write unit that a SQLite group commit may run together with the units of the same ``key``
-    queued right after it, as one unit: ``run_batch(ctx, [args, ...])`` gives each unit's result,
-    what the units would give run one after the other in that order (concurrent claims become one
-    claim of several rollouts).  Alone, or replayed, it is ``run_batch(ctx, [args])``."""
+    """A write unit that may run together with the units of the same ``key`` queued right after it
+    (a SQLite group commit) or issued in the same turn of the caller's event loop (the I/O loop:
+    ``StoreInstance._submit_batchable``), as one unit: ``run_batch(ctx, [args, ...])`` gives each
+    unit's result, what the units would give run one after the other in that order (concurrent
+    claims become one claim of several rollouts).  Alone it is ``run_batch(ctx, [args])``."""
 
     __slots__ = ("key", "args", "run_batch", "atomic")
 
@@ -937,6 +938,8 @@ class SqliteThreadWorker(IoWorker):
             raw.execute("SAVEPOINT lightning_sql_unit")
             try:
                 results = batch[0].run_batch(ctx, [unit.args for unit in batch])
+                if len(results) != len(batch):
+                    raise RuntimeError(f"a batch of {len(batch)} units gave {len(results)} results")
             except BaseException as exc:  # noqa: BLE001 - the units run again one by one
                 if classify_error(exc) != "fatal" or isinstance(exc, StoreUnavailableError):
                     self._abandon(conn)
@@ -948,8 +951,6 @@ class SqliteThreadWorker(IoWorker):
         except BaseException:  # noqa: BLE001 - a savepoint statement failed: the replay decides
             self._abandon(conn)
             return None
-        if len(results) != len(batch):
-            raise RuntimeError(f"a batch of {len(batch)} units gave {len(results)} results")
         # The batch's events are announced once, with its first unit; the others have none of their own.
         return [(ctx if i == 0 else UnitContext(conn, "sqlite"), result, None) for i, result in enumerate(results)]
 

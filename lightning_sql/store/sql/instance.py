@@ -427,18 +427,27 @@ class StoreInstance:
         pending = worker.batches.get(key)
         if pending is None:
             pending = worker.batches[key] = []
-            loop.call_soon(self._flush_batch, worker, key, autocommit)
-        pending.append((unit, fut))
+            loop.call_soon(self._flush_batch, worker, key)
+        pending.append((unit, fut, autocommit))
         return await _outcome(fut)
 
-    def _flush_batch(self, worker: AsyncLoopWorker, key: Any, autocommit: bool) -> None:
-        items: list[tuple[BatchUnit[Any], asyncio.Future[Any]]] = worker.batches.pop(key, [])
+    def _flush_batch(self, worker: AsyncLoopWorker, key: Any) -> None:
+        items: list[tuple[BatchUnit[Any], asyncio.Future[Any], bool]] = worker.batches.pop(key, [])
         deadline = self.connect_deadline_seconds
+
+        def alone(index: int) -> None:
+            """The units from ``index`` on, one after the other (in their order, as a batch runs
+            them), each as it came."""
+            if index < len(items):
+                unit, fut, autocommit = items[index]
+                done = _relay(worker.submit(unit, write=True, deadline_s=deadline, autocommit=autocommit))
+                _settle(done, fut)
+                done.add_done_callback(lambda _done: alone(index + 1))
+
         if len(items) == 1:
-            (unit, fut), = items
-            _settle(_relay(worker.submit(unit, write=True, deadline_s=deadline, autocommit=autocommit)), fut)
+            alone(0)
             return
-        units = [unit for unit, _fut in items]
+        units = [unit for unit, _fut, _autocommit in items]
         combined = _relay(
             worker.submit(
                 lambda ctx: units[0].run_batch(ctx, [unit.args for unit in units]),
@@ -450,29 +459,21 @@ class StoreInstance:
 
         def settle(done: asyncio.Future[list[Any]]) -> None:
             if done.cancelled():
-                for _unit, fut in items:
+                for _unit, fut, _autocommit in items:
                     fut.cancel()
                 return
             exc = done.exception()
             if exc is None:
                 worker.batched_units += len(items)
-                for (_unit, fut), result in zip(items, done.result(), strict=True):
+                for (_unit, fut, _autocommit), result in zip(items, done.result(), strict=True):
                     if not fut.done():
                         fut.set_result(result)
             elif isinstance(exc, (StoreUnavailableError, PermissionError)):
-                for _unit, fut in items:
+                for _unit, fut, _autocommit in items:
                     if not fut.done():
                         fut.set_exception(exc)
-            else:  # the batch's own error: its transaction committed nothing
+            else:  # the batch's own error: its transaction (or its one statement) committed nothing
                 alone(0)
-
-        def alone(index: int) -> None:
-            """The units one after the other (in their order, as the batch would have run them)."""
-            if index < len(items):
-                unit, fut = items[index]
-                done = _relay(worker.submit(unit, write=True, deadline_s=deadline, autocommit=autocommit))
-                _settle(done, fut)
-                done.add_done_callback(lambda _done: alone(index + 1))
 
         combined.add_done_callback(settle)
 
