@@ -208,3 +208,25 @@ async def test_an_unknown_rollout_fails_its_own_call_only(store_factory: Any) ->
     assert isinstance(got[1], ValueError) and str(got[1]) == "Rollout ro-missing not found"
     assert list(await store.get_many_span_sequence_ids([pair])) == [4]
     assert _batched(store) == 0  # the batch failed; its calls ran alone
+
+
+@SQLITE
+async def test_a_sequence_id_batch_finds_its_rollouts_by_key(store_factory: Any) -> None:
+    """The batch statement looks each rollout up by its key: SQLite must not plan it as a scan of
+    the run's rollouts (a first version did: 247 µs per call at 1,500 rollouts, against 36)."""
+
+    from lightning_sql.store.sql import spans
+
+    store = store_factory()
+    await store.start_rollout({"i": 1})
+    stmt = spans._bump_counters_sqlite()
+
+    def plan(ctx: Any, run_id: int, _now: float) -> list[str]:
+        sql = str(stmt.compile(dialect=ctx.conn.dialect))
+        params = ['{"ro-x": 1}', run_id, '{"ro-x": 1}', run_id, '{"ro-x": 1}', 1]
+        return [row[-1] for row in ctx.conn.exec_driver_sql("EXPLAIN QUERY PLAN " + sql, tuple(params))]
+
+    details = await store._call("test", plan, write=False)
+    touching = [line for line in details if " rollouts " in f" {line} " or line.endswith(" rollouts")]
+    assert touching and all("(run_id=? AND rollout_id=?)" in line for line in touching), details
+    assert not any(line.startswith("SCAN rollouts") for line in details), details

@@ -144,26 +144,31 @@ def _bump_counters(ctx: UnitContext, run_id: int, counts: dict[str, int]) -> dic
 
 def _bump_counters_postgres() -> Any:
     def amounts(name: str) -> Any:
-        return (
+        table = (
             func.unnest(bindparam("s_ids", type_=ARRAY(s.IdText())), bindparam("s_counts", type_=ARRAY(Integer)))
             .table_valued("rid", "n")
             .render_derived(name=name)
         )
+        return table, table.c.rid, table.c.n
 
-    moved, wanted = amounts("amounts"), amounts("wanted")
-    return _bump_from(moved.c.rid, moved.c.n, wanted.c.rid)
+    return _bump_from(amounts)
 
 
 def _bump_counters_sqlite() -> Any:
     def amounts(name: str) -> Any:
-        return func.json_each(bindparam("s_counts", type_=Text)).table_valued("key", "value").alias(name)
+        table = func.json_each(bindparam("s_counts", type_=Text)).table_valued("key", "value").alias(name)
+        return table, table.c.key, table.c.value
 
-    moved, wanted = amounts("amounts"), amounts("wanted")
-    return _bump_from(moved.c.key, moved.c.value, wanted.c.key)
+    return _bump_from(amounts)
 
 
-def _bump_from(rollout_id: Any, amount: Any, wanted_id: Any) -> Any:
-    """UPDATE the rollouts named by ``rollout_id`` by ``amount`` when all ``wanted_id`` exist."""
+def _bump_from(amounts: Any) -> Any:
+    """UPDATE every rollout that ``amounts(name)`` (a table of rollout ids and amounts: ``(table,
+    id column, amount column)``) names by its amount, when all of them exist.  Each rollout is found
+    by its key (``IN``, and its amount by a correlated look-up), never by scanning the run."""
+    _moving, moving_id, _amount = amounts("moving")
+    _by, by_id, by_amount = amounts("amount")
+    _wanted, wanted_id, _n = amounts("wanted")
     found = R.alias("found")
     all_found = (
         select(func.count())
@@ -171,9 +176,10 @@ def _bump_from(rollout_id: Any, amount: Any, wanted_id: Any) -> Any:
         .where(found.c.run_id == bindparam("s_run_id"), found.c.rollout_id.in_(select(wanted_id)))
         .scalar_subquery()
     )
+    amount = select(by_amount).where(by_id == R.c.rollout_id).scalar_subquery()
     return (
         update(R)
-        .where(R.c.run_id == bindparam("s_run_id"), R.c.rollout_id == rollout_id, all_found == bindparam("s_n"))
+        .where(R.c.run_id == bindparam("s_run_id"), R.c.rollout_id.in_(select(moving_id)), all_found == bindparam("s_n"))
         .values(span_seq=R.c.span_seq + amount)
         .returning(R.c.rollout_id, R.c.span_seq)
     )
