@@ -102,7 +102,9 @@ def test_plans_follow_the_connections_execution_options(tmp_path: Any) -> None:
     from sqlalchemy import create_engine, text
 
     engine = create_engine(f"sqlite:///{tmp_path / 'plans.db'}")
-    stmt = cached(("test_fastexec_options",), lambda: select(R.c.rollout_id).where(R.c.run_id == bindparam("t_run_id")))
+    stmt = cached(
+        ("test_fastexec_options",), lambda: select(R.c.rollout_id).where(R.c.run_id == bindparam("t_run_id"))
+    )
     try:
         with engine.connect() as conn:
             conn.execute(text("ATTACH DATABASE ':memory:' AS other"))

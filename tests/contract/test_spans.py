@@ -93,7 +93,9 @@ async def test_read_back_status_context_and_resource_are_the_written_ones(store)
     the model's fields in order, and copies it otherwise)."""
     rid, aid = await _started(store)
     plain = make_span(rid, aid, 1)
-    context = SpanContext(trace_id=plain.trace_id, span_id="00f067aa0ba902b7", is_remote=True, trace_state={"a": "b"})
+    context = SpanContext(
+        trace_id=plain.trace_id, span_id="00f067aa0ba902b7", is_remote=True, trace_state={"a": "b"}
+    )
     odd = make_span(rid, aid, 2).model_copy(
         update={
             "status": TraceStatus(status_code="ERROR", description="boom", detail=7),  # an extra field

@@ -197,7 +197,8 @@ def _claim_statement(returning: Sequence[Any], *, with_worker: bool, per_attempt
             .table_valued("attempt_id", with_ordinality="pos")
             .render_derived(name="ids")
         )
-        worker_id, now = bindparam("claim_worker_id", type_=Text), bindparam("claim_now", type_=Float(precision=53))
+        worker_id = bindparam("claim_worker_id", type_=Text)
+        now = bindparam("claim_now", type_=Float(precision=53))
     attempt_rows = select(
         run_id,
         ranked.c.rollout_id,

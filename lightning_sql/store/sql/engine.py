@@ -952,7 +952,9 @@ class SqliteThreadWorker(IoWorker):
             self._abandon(conn)
             return None
         # The batch's events are announced once, with its first unit; the others have none of their own.
-        return [(ctx if i == 0 else UnitContext(conn, "sqlite"), result, None) for i, result in enumerate(results)]
+        return [
+            (ctx if i == 0 else UnitContext(conn, "sqlite"), result, None) for i, result in enumerate(results)
+        ]
 
     def _abandon(self, conn: Connection | None) -> None:
         """Roll the connection's transaction back; a connection that cannot is replaced.

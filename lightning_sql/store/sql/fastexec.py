@@ -169,7 +169,9 @@ def _plan_for(
         plain_sql = pieces[0]
     return _Plan(
         plain_values=plain_values,
-        plain_procs=tuple((i, proc) for i, (_name, proc, _arity) in enumerate(slots or ()) if proc is not None),
+        plain_procs=tuple(
+            (i, proc) for i, (_name, proc, _arity) in enumerate(slots or ()) if proc is not None
+        ),
         plain_sql=plain_sql,
         slots=slots,
         defaults=defaults,

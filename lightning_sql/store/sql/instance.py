@@ -550,7 +550,10 @@ class StoreInstance:
             await self._maybe_sweep(worker, run_id)
         # Units batch with those of the same function and run (dequeue_rollout's with dequeue_many_rollouts').
         unit = BatchUnit(
-            (run_batch, run_id), (self.now(), args), lambda ctx, many: run_batch(ctx, run_id, many), atomic=atomic_batch
+            (run_batch, run_id),
+            (self.now(), args),
+            lambda ctx, many: run_batch(ctx, run_id, many),
+            atomic=atomic_batch,
         )
         return await self._submit(worker, unit, write=True, autocommit=autocommit)
 

@@ -103,7 +103,8 @@ def adopt(cls: type[M], values: dict[str, Any]) -> M:
     the model's ``__dict__`` instead of a copy."""
     constructor = _constructor(cls)
     if constructor.fast and len(values) == len(constructor.names) and tuple(values) == constructor.names:
-        return _bare(cls, values, constructor.name_set, constructor.empty_extra())  # type: ignore[no-any-return]
+        extra = constructor.empty_extra()
+        return _bare(cls, values, constructor.name_set, extra)  # type: ignore[no-any-return]
     return constructor(values)  # type: ignore[no-any-return]
 
 

@@ -145,7 +145,9 @@ def _bump_counters(ctx: UnitContext, run_id: int, counts: dict[str, int]) -> dic
 def _bump_counters_postgres() -> Any:
     def amounts(name: str) -> Any:
         table = (
-            func.unnest(bindparam("s_ids", type_=ARRAY(s.IdText())), bindparam("s_counts", type_=ARRAY(Integer)))
+            func.unnest(
+                bindparam("s_ids", type_=ARRAY(s.IdText())), bindparam("s_counts", type_=ARRAY(Integer))
+            )
             .table_valued("rid", "n")
             .render_derived(name=name)
         )
@@ -179,7 +181,11 @@ def _bump_from(amounts: Any) -> Any:
     amount = select(by_amount).where(by_id == R.c.rollout_id).scalar_subquery()
     return (
         update(R)
-        .where(R.c.run_id == bindparam("s_run_id"), R.c.rollout_id.in_(select(moving_id)), all_found == bindparam("s_n"))
+        .where(
+            R.c.run_id == bindparam("s_run_id"),
+            R.c.rollout_id.in_(select(moving_id)),
+            all_found == bindparam("s_n"),
+        )
         .values(span_seq=R.c.span_seq + amount)
         .returning(R.c.rollout_id, R.c.span_seq)
     )

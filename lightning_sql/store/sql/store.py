@@ -226,7 +226,7 @@ class SqlLightningStore(StoreInstance, LightningStore):
             return []
         return await self._call_batchable(
             method,
-            ro.claim_batch,  # concurrent claims: one claim of their rollouts (SQLite group commit)
+            ro.claim_batch,  # concurrent claims: one claim of their rollouts (ADR 0005 decision 7)
             (attempt_ids, worker_id),
             sweeps=True,
             autocommit=True,  # each statement of a claim is atomic and replay-safe (ro.claim)
