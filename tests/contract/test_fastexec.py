@@ -96,9 +96,9 @@ async def test_prebuilt_statements_return_what_sqlalchemy_returns(store: Any) ->
     assert counts == ["4", "0", "3", "1", "0", "3"]
 
 
-def test_plans_follow_the_connections_execution_options(tmp_path: Any) -> None:
-    """A statement's plan is looked up again when the connection's execution options change (here
-    its schema translation), and found again when they are the same object."""
+def test_plans_follow_the_connections_schema_map(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A statement's plan is looked up again when the connection's schema translation changes, and
+    found again (without ``_lookup``) while the same map object stays, whatever else the options say."""
     from sqlalchemy import create_engine, text
 
     engine = create_engine(f"sqlite:///{tmp_path / 'plans.db'}")
@@ -119,6 +119,13 @@ def test_plans_follow_the_connections_execution_options(tmp_path: Any) -> None:
             moved = fastexec._hot_lookup(conn, stmt, {"t_run_id": 1})
             assert moved is not None and moved is not plain and (moved.schema_map or {}).get(None) == "other"
             assert [row.rollout_id for row in fastexec.execute(conn, stmt, {"t_run_id": 1})] == ["in-other"]
+            # Another option (a unit's isolation level, say) keeps the map: found again without a look-up.
+            looked_up: list[Any] = []
+            real = fastexec._lookup
+            monkeypatch.setattr(fastexec, "_lookup", lambda *args: looked_up.append(args) or real(*args))
+            conn.execution_options(stream_results=False)
+            assert fastexec._hot_lookup(conn, stmt, {"t_run_id": 1}) is moved
+            assert looked_up == []
     finally:
         engine.dispose()
 

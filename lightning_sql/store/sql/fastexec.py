@@ -257,25 +257,27 @@ def _one_value(name: str) -> Any:
     return values
 
 
-# The plans last looked up, by statement, parameter names (in the caller's order) and execution
-# options: what ``_lookup`` would find again, without building its key (about a microsecond per
-# statement).  Each entry holds the statement and the options object it was found for and is used
-# only for those very objects; the dict is emptied when it grows past ``_HOT_MAX`` entries.
+# The plans last looked up, by statement, parameter names (in the caller's order) and the
+# connection's schema translation map (the one execution option a plan depends on; a unit's own
+# options such as its isolation level make a new options object, not a new map): what ``_lookup``
+# would find again, without building its key (about a microsecond per statement).  Each entry holds
+# the statement and the map object it was found for and is used only for those very objects; the
+# dict is emptied when it grows past ``_HOT_MAX`` entries.
 _hot: dict[tuple[int, tuple[str, ...], int], tuple[Any, Any, Any, _Plan | None]] = {}
 _HOT_MAX = 4096
 
 
 def _hot_lookup(conn: Connection, stmt: Any, first_params: Mapping[str, Any] | None) -> _Plan | None:
     """``_lookup``, through ``_hot`` first."""
-    options = conn.get_execution_options()
-    key = (id(stmt), tuple(first_params) if first_params else (), id(options))
+    schema_map = conn.get_execution_options().get("schema_translate_map")
+    key = (id(stmt), tuple(first_params) if first_params else (), id(schema_map))
     entry = _hot.get(key)
-    if entry is not None and entry[0] is stmt and entry[1] is options and entry[2] is conn.dialect:
+    if entry is not None and entry[0] is stmt and entry[1] is schema_map and entry[2] is conn.dialect:
         return entry[3]
     plan = _lookup(conn, stmt, first_params)
     if len(_hot) >= _HOT_MAX:
         _hot.clear()
-    _hot[key] = (stmt, options, conn.dialect, plan)
+    _hot[key] = (stmt, schema_map, conn.dialect, plan)
     return plan
 
 
