@@ -374,6 +374,9 @@ def claim_batch(
 def _claim_many_sqlite(
     ctx: UnitContext, run_id: int, calls: Sequence[tuple[float, tuple[Sequence[str], str | None]]]
 ) -> list[list[AttemptedRollout]]:
+    """SQLite (writers serialised, no locks): the rollouts and attempts of one claim or of several
+    calls' claims, without the worker rows: one rollout is picked and marked by one statement,
+    several by a pick and a mark; their attempts are one insert."""
     total = sum(len(attempt_ids) for _now, (attempt_ids, _worker_id) in calls)
     if total == 1:
         rows = ctx.execute(cached(("claim_next", ctx.dialect), _claim_next), {"c_run_id": run_id}).all()
@@ -451,23 +454,7 @@ def _claim_fresh(
     one_trip = d.claim_in_one_statement(ctx, run_id, now, attempt_ids, worker_id, ROLLOUT_COLUMNS)
     if one_trip is not None:
         return [_attempted_claim(row, row.attempt_id, now, worker_id) for row in one_trip], True
-    if len(attempt_ids) == 1:
-        # One rollout (dequeue_rollout): picked and marked by one statement.
-        rows = ctx.execute(cached(("claim_next", ctx.dialect), _claim_next), {"c_run_id": run_id}).all()
-        ids = [row.rollout_id for row in rows]
-    else:
-        ids, rows = _pick_and_mark(ctx, run_id, len(attempt_ids))
-    if not ids:
-        return [], False
-    by_id = {row.rollout_id: row for row in rows}
-    attempt_rows = []
-    result: list[AttemptedRollout] = []
-    for rid, aid in zip(ids, attempt_ids, strict=False):
-        row = by_id[rid]
-        attempt_rows.append(_attempt_row(run_id, rid, aid, row.attempt_count, worker_id, now))
-        result.append(_attempted_claim(row, aid, now, worker_id))
-    ctx.execute(cached("attempt_insert", A.insert), attempt_rows)
-    return result, False
+    return _claim_many_sqlite(ctx, run_id, [(now, (attempt_ids, worker_id))])[0], False
 
 
 def _claim_next() -> Any:
