@@ -243,3 +243,29 @@ async def test_int_field_sorts_null_as_zero(store):
     assert asc == [r_none.rollout_id, r_none2.rollout_id, r_one.rollout_id, r_two.rollout_id]
     desc = [r.rollout_id for r in await store.query_rollouts(sort_by="resources_version", sort_order="desc")]
     assert desc == [r_two.rollout_id, r_one.rollout_id, r_none.rollout_id, r_none2.rollout_id]
+
+
+@pytest.mark.parametrize("backend", ["sqlite_file", "sqlite_memory"], indirect=True)
+async def test_a_span_page_in_sequence_order_reads_the_index_in_order(store):
+    """A NOT NULL sort key has no NULL to place: sorted as the plain column, SQLite reads the span
+    index (run, rollout, attempt, sequence_id) in order instead of sorting the rows it found
+    ("USE TEMP B-TREE FOR ORDER BY" with the NULL-placing expression)."""
+    from lightning_sql.store.sql import spans
+
+    ar = await store.start_rollout(1)
+    for seq in (3, 1, 2):
+        await store.add_span(make_span(ar.rollout_id, ar.attempt.attempt_id, seq, name=f"s{seq}"))
+    shape = (True, "latest", (None,) * 4, (None,) * 4, "and", "sequence_id", "asc", False, False)
+
+    def plan(ctx, run_id, _now):
+        page, _count = spans._span_query(ctx, shape)
+        compiled = page.compile(dialect=ctx.conn.dialect)
+        values = compiled.construct_params({"q_run_id": run_id, "q_rollout_id": ar.rollout_id})
+        params = tuple(values[name] for name in compiled.positiontup)
+        return [row[-1] for row in ctx.conn.exec_driver_sql("EXPLAIN QUERY PLAN " + str(compiled), params)]
+
+    details = await store._call("test", plan, write=False)
+    assert any("USING INDEX ix_spans_run_id_rollout_id_attempt_id_sequence_id" in line for line in details), details
+    assert not any("TEMP B-TREE" in line for line in details), details
+    got = await store.query_spans(ar.rollout_id, "latest")
+    assert [s.sequence_id for s in got] == [1, 2, 3]
