@@ -224,6 +224,8 @@ async def test_event_listeners_see_every_statement(store: Any) -> None:
     await store.get_many_span_sequence_ids([pair])  # warm-up: schema, run
     engine = store._worker._engine
     engine = getattr(engine, "sync_engine", engine)
+    if hasattr(store._worker, "engine_for_this_loop"):  # PostgreSQL: this loop's units may run on its own engine
+        engine = store._worker.engine_for_this_loop()
     seen: list[str] = []
 
     def before(conn: Any, cursor: Any, statement: str, *_args: Any) -> None:

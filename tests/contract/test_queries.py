@@ -283,6 +283,8 @@ async def test_query_spans_filters(store):
 
 
 def _engine_of(store):
+    if hasattr(store._worker, "engine_for_this_loop"):  # PostgreSQL: this loop's units may run on its own engine
+        return store._worker.engine_for_this_loop()
     engine = store._worker._engine
     return getattr(engine, "sync_engine", engine)
 

@@ -80,6 +80,13 @@ SQLITE_INLINE_READS = os.environ.get("LIGHTNING_SQL_SQLITE_INLINE_READS", "1") !
 # thread of the process is inside SQLite and nothing waits for the writer thread (``write_soon``);
 # otherwise they go to the writer thread. "0" turns it off; tests flip ``SqliteThreadWorker.inline_writes``.
 SQLITE_INLINE_WRITES = os.environ.get("LIGHTNING_SQL_SQLITE_INLINE_WRITES", "1") != "0"
+# PostgreSQL: the units of the first event loop that calls a worker (its "home" loop: usually the
+# program's main loop, where the algorithm and the runners live) run in that loop, on an engine of
+# its own, instead of hopping to the I/O thread and back: the two cross-thread wake-ups and GIL
+# hand-overs of a hop cost more client CPU than the statement (ADR 0005, decision 8).  Other loops
+# (a heartbeat thread's, a span writer's) go through the I/O thread. "0" turns it off (every unit
+# hops); tests flip ``AsyncLoopWorker.home_units``.
+PG_HOME_LOOP_UNITS = os.environ.get("LIGHTNING_SQL_PG_HOME_LOOP", "1") != "0"
 NOTIFY_CHANNEL = "lightning_sql_v1"
 
 # PostgreSQL SQLSTATEs that a replay of the whole unit can cure.
@@ -1120,6 +1127,11 @@ class AsyncLoopWorker(IoWorker):
         # Batchable units (BatchUnit) that callers' loops gathered for their next turn, by (caller's
         # loop, unit key): see StoreInstance._submit_batchable.
         self.batches: dict[tuple[asyncio.AbstractEventLoop, Hashable], list[Any]] = {}
+        # PostgreSQL: the home loop and its engine (``run_here``), with the driver connections that
+        # engine opened (to end them when the loop is gone before the engine was disposed).
+        self.home_units = PG_HOME_LOOP_UNITS and target.kind == "postgresql"
+        self._home: _HomeEngine | None = None
+        self._home_lock = threading.Lock()
         self._thread = threading.Thread(
             target=self._main, name=f"lightning-sql-io[{target.masked}]", daemon=True
         )
@@ -1231,6 +1243,90 @@ class AsyncLoopWorker(IoWorker):
                     item[4].set_exception(RuntimeError(f"The store's I/O thread is closed ({exc})"))
         return fut
 
+    def run_here(
+        self,
+        unit: Unit[T],
+        *,
+        write: bool,
+        deadline_s: float,
+        autocommit: bool = False,
+        snapshot: bool = False,
+    ) -> asyncio.Task[T] | None:
+        """``submit`` for a caller on the worker's home loop (PostgreSQL): the unit runs as a task of
+        the caller's loop on the home engine, exactly as it would on the I/O loop (same transaction
+        modes, retries and deadline); None when the unit must go through ``submit`` (another loop,
+        no schema check yet, the worker closed, ``home_units`` off)."""
+        if not self.home_units or self.closed or self._schema_ready is None or isinstance(unit, SchemaUnit):
+            return None
+        loop = asyncio.get_running_loop()
+        home = self._home
+        if home is None or home.loop is not loop:
+            home = self._adopt_home(loop)
+            if home is None:
+                return None
+        isolation = self._PG_AUTOCOMMIT if autocommit else self._PG_SNAPSHOT if snapshot else self._PG_TRANSACTION
+        return loop.create_task(self._run_unit(unit, write, deadline_s, isolation, home.engine))
+
+    def _adopt_home(self, loop: asyncio.AbstractEventLoop) -> _HomeEngine | None:
+        """The home engine for ``loop`` if it is (or now becomes) the home loop: the first loop to
+        ask, or the next one once the home loop is closed (its connections are then ended)."""
+        if loop is self._loop:
+            return None
+        with self._home_lock:
+            home = self._home
+            if home is not None and home.loop is loop:
+                return home
+            if home is not None and not home.loop.is_closed():
+                return None  # another loop's home
+            if home is not None:
+                home.terminate()
+            engine = self._make_engine()
+            self._home = home = _HomeEngine(loop, engine)
+            event.listen(engine.sync_engine, "connect", lambda _dbapi_conn, record: home.opened.add(record))
+            return home
+
+    def engine_for_this_loop(self) -> Engine | None:
+        """The (sync) engine that runs the calling loop's units: the home engine on the home loop,
+        else the I/O thread's (for listeners that must see a caller's statements)."""
+        home = self._home
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if home is not None and home.loop is loop:
+            return home.engine.sync_engine
+        return None if self._engine is None else self._engine.sync_engine
+
+    async def release_home(self) -> None:
+        """Dispose of the home engine, politely, when called on the home loop by the worker's last
+        holder (``StoreInstance.close``): ``close`` could only end its connections from there."""
+        home = self._home
+        if home is None or self.refs > 1 or home.loop is not asyncio.get_running_loop():
+            return
+        with self._home_lock:
+            if self._home is home:
+                self._home = None
+        try:
+            await home.engine.dispose()
+        except Exception:  # noqa: BLE001 - best effort at shutdown
+            logger.debug("home engine dispose failed", exc_info=True)
+            home.terminate()
+
+    def _close_home(self) -> None:
+        with self._home_lock:
+            home, self._home = self._home, None
+        if home is None:
+            return
+        loop = home.loop
+        if loop.is_closed() or asyncio._get_running_loop() is loop:
+            home.terminate()  # no loop to close them in, or this thread runs it and cannot wait
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(home.engine.dispose(), loop).result(timeout=5)
+        except Exception:  # noqa: BLE001 - the loop stopped or is stuck: end them here
+            logger.debug("home engine dispose failed", exc_info=True)
+            home.terminate()
+
     def _start_submitted(self) -> None:
         with self._inbox_lock:
             items, self._inbox = self._inbox, []
@@ -1246,6 +1342,7 @@ class AsyncLoopWorker(IoWorker):
         if self.closed:
             return
         self.closed = True
+        self._close_home()
 
         async def shutdown() -> None:
             for task in (self._listener_task, self._poll_task):
@@ -1312,8 +1409,15 @@ class AsyncLoopWorker(IoWorker):
             if self.target.kind == "postgresql":
                 self._listener_task = asyncio.get_running_loop().create_task(self._listen_forever())
 
-    async def _run_unit(self, unit: Unit[T], write: bool, deadline_s: float, isolation: str | None = None) -> T:
-        if self._engine is None:
+    async def _run_unit(
+        self,
+        unit: Unit[T],
+        write: bool,
+        deadline_s: float,
+        isolation: str | None = None,
+        engine: AsyncEngine | None = None,
+    ) -> T:
+        if self._engine is None and engine is None:
             self._engine = self._make_engine()
             if self.target.kind == "aiosqlite":
                 self._serial = asyncio.Lock()
@@ -1328,7 +1432,7 @@ class AsyncLoopWorker(IoWorker):
                 if self._serial is not None:
                     async with self._serial:
                         return await self._once(unit, write, attempt, isolation)
-                return await self._once(unit, write, attempt, isolation)
+                return await self._once(unit, write, attempt, isolation, engine)
             except asyncio.CancelledError:
                 raise
             except StoreUnavailableError:
@@ -1346,14 +1450,24 @@ class AsyncLoopWorker(IoWorker):
                 await asyncio.sleep(_backoff(attempt))
                 attempt += 1
 
-    def _pg_default_isolation(self) -> str:
+    def _pg_default_isolation(self, engine: AsyncEngine | None = None) -> str:
         """The server's default isolation level (read by the engine at its first connection)."""
-        assert self._engine is not None
-        return self._engine.dialect.default_isolation_level or "READ COMMITTED"
+        engine = engine or self._engine
+        assert engine is not None
+        return engine.dialect.default_isolation_level or "READ COMMITTED"
 
-    async def _once(self, unit: Unit[T], write: bool, attempt: int = 0, isolation: str | None = None) -> T:
-        assert self._engine is not None
-        sync_engine = self._engine.sync_engine
+    async def _once(
+        self,
+        unit: Unit[T],
+        write: bool,
+        attempt: int = 0,
+        isolation: str | None = None,
+        engine: AsyncEngine | None = None,
+    ) -> T:
+        """One run of ``unit`` on ``engine`` (the I/O loop's unless given: the home engine)."""
+        engine = engine or self._engine
+        assert engine is not None
+        sync_engine = engine.sync_engine
         dialect = self.dialect
         aiosqlite = self.target.kind == "aiosqlite"
         holder: dict[str, UnitContext] = {}
@@ -1365,7 +1479,7 @@ class AsyncLoopWorker(IoWorker):
                 # PostgreSQL: per-connection settings that asyncpg applies at its BEGIN (no round
                 # trip of their own; the pool puts the connection back in autocommit on return).
                 if isolation == self._PG_TRANSACTION:
-                    conn.execution_options(isolation_level=self._pg_default_isolation())
+                    conn.execution_options(isolation_level=self._pg_default_isolation(engine))
                 elif isolation == self._PG_SNAPSHOT:
                     conn.execution_options(isolation_level="REPEATABLE READ", postgresql_readonly=True)
                 elif aiosqlite:
@@ -1429,6 +1543,29 @@ class AsyncLoopWorker(IoWorker):
                         pass
                     self._listener = None
             await asyncio.sleep(PG_LISTEN_RECONNECT_S)
+
+
+class _HomeEngine:
+    """A worker's engine on its home loop (``AsyncLoopWorker.run_here``) and the pool entries of the
+    connections it opened, to end them when nothing can close them politely any more."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, engine: AsyncEngine) -> None:
+        self.loop = loop
+        self.engine = engine
+        self.opened: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    def terminate(self) -> None:
+        """End every connection at once (asyncpg's ``terminate``: the socket is closed, no round
+        trip), for a loop that is closed or that this thread runs and cannot wait for."""
+        for record in list(self.opened):
+            dbapi_conn = record.dbapi_connection
+            if dbapi_conn is None:
+                continue  # closed already
+            try:
+                dbapi_conn.terminate()
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        self.opened.clear()
 
 
 # --- the per-process registry -----------------------------------------------------------------

@@ -402,16 +402,24 @@ class StoreInstance:
         if isinstance(worker, AsyncLoopWorker) and write and isinstance(unit, BatchUnit):
             return await self._submit_batchable(worker, unit, autocommit=autocommit)
         if isinstance(worker, AsyncLoopWorker) and (not write or autocommit):
-            fut = worker.submit(
-                unit,
-                write=write,
-                deadline_s=self.connect_deadline_seconds,
-                autocommit=not snapshot,
-                snapshot=snapshot,
+            return await _outcome(
+                self._start(worker, unit, write=write, autocommit=not snapshot, snapshot=snapshot)
             )
-        else:
-            fut = worker.submit(unit, write=write, deadline_s=self.connect_deadline_seconds)
-        return await _outcome(_relay(fut))
+        return await _outcome(self._start(worker, unit, write=write))
+
+    def _start(
+        self, worker: IoWorker, unit: Any, *, write: bool, autocommit: bool = False, snapshot: bool = False
+    ) -> asyncio.Future[Any]:
+        """Start ``unit`` on ``worker``: in the calling loop when it is the worker's home loop
+        (PostgreSQL, ``AsyncLoopWorker.run_here``), else on the I/O thread; a future of the caller's
+        loop either way."""
+        deadline = self.connect_deadline_seconds
+        if isinstance(worker, AsyncLoopWorker):
+            here = worker.run_here(unit, write=write, deadline_s=deadline, autocommit=autocommit, snapshot=snapshot)
+            if here is not None:
+                return here
+            return _relay(worker.submit(unit, write=write, deadline_s=deadline, autocommit=autocommit, snapshot=snapshot))
+        return _relay(worker.submit(unit, write=write, deadline_s=deadline))
 
     async def _submit_batchable(self, worker: AsyncLoopWorker, unit: BatchUnit[T], *, autocommit: bool) -> T:
         """A batchable write unit on the I/O loop (PostgreSQL, aiosqlite): the units of its key that
@@ -433,14 +441,13 @@ class StoreInstance:
 
     def _flush_batch(self, worker: AsyncLoopWorker, key: Any) -> None:
         items: list[tuple[BatchUnit[Any], asyncio.Future[Any], bool]] = worker.batches.pop(key, [])
-        deadline = self.connect_deadline_seconds
 
         def alone(index: int) -> None:
             """The units from ``index`` on, one after the other (in their order, as a batch runs
             them), each as it came."""
             if index < len(items):
                 unit, fut, autocommit = items[index]
-                done = _relay(worker.submit(unit, write=True, deadline_s=deadline, autocommit=autocommit))
+                done = self._start(worker, unit, write=True, autocommit=autocommit)
                 _settle(done, fut)
                 done.add_done_callback(lambda _done: alone(index + 1))
 
@@ -448,13 +455,11 @@ class StoreInstance:
             alone(0)
             return
         units = [unit for unit, _fut, _autocommit in items]
-        combined = _relay(
-            worker.submit(
-                lambda ctx: units[0].run_batch(ctx, [unit.args for unit in units]),
-                write=True,
-                deadline_s=deadline,
-                autocommit=units[0].atomic,
-            )
+        combined = self._start(
+            worker,
+            lambda ctx: units[0].run_batch(ctx, [unit.args for unit in units]),
+            write=True,
+            autocommit=units[0].atomic,
         )
 
         def settle(done: asyncio.Future[list[Any]]) -> None:
@@ -631,6 +636,8 @@ class StoreInstance:
             except RuntimeError:  # the waiter's loop is closed
                 pass
         if worker is not None and worker.pid == os.getpid():
+            if isinstance(worker, AsyncLoopWorker):
+                await worker.release_home()  # the last holder, on the home loop: close it politely
             release_worker(worker)
 
     async def __aenter__(self) -> Self:
