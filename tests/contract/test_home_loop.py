@@ -127,3 +127,19 @@ async def test_a_second_holder_keeps_the_home_engine_open(backend: Any, clock: A
     finally:
         await first.close()
         await second.close()
+
+
+async def test_closing_from_another_thread_disposes_of_the_home_engine_on_its_loop(backend: Any, clock: Any) -> None:
+    """The last ``close()`` from another loop: the home loop (running, here awaiting the thread)
+    closes its own connections."""
+    store = backend.open(run="close-elsewhere", clock=clock, clock_sync=False)
+    await store.enqueue_rollout(1)
+    await _unit_thread(store)
+    worker = store._worker
+    records = list(worker._home.opened)
+    assert records and not any(_closed(r) for r in records)
+    thread = threading.Thread(target=lambda: asyncio.run(store.close()))
+    thread.start()
+    await asyncio.to_thread(thread.join, 60)
+    assert worker.closed and worker._home is None
+    assert all(_closed(r) for r in records)

@@ -1265,7 +1265,10 @@ class AsyncLoopWorker(IoWorker):
             if home is None:
                 return None
         isolation = self._PG_AUTOCOMMIT if autocommit else self._PG_SNAPSHOT if snapshot else self._PG_TRANSACTION
-        return loop.create_task(self._run_unit(unit, write, deadline_s, isolation, home.engine))
+        task = loop.create_task(self._run_unit(unit, write, deadline_s, isolation, home.engine))
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+        return task
 
     def _adopt_home(self, loop: asyncio.AbstractEventLoop) -> _HomeEngine | None:
         """The home engine for ``loop`` if it is (or now becomes) the home loop: the first loop to
@@ -1318,7 +1321,11 @@ class AsyncLoopWorker(IoWorker):
         if home is None:
             return
         loop = home.loop
-        if loop.is_closed() or asyncio._get_running_loop() is loop:
+        try:
+            this_thread_runs_it = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            this_thread_runs_it = False
+        if loop.is_closed() or this_thread_runs_it:
             home.terminate()  # no loop to close them in, or this thread runs it and cannot wait
             return
         try:
