@@ -27,6 +27,9 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("lightning_sql/store/sql/engine.py", 'f"PRAGMA busy_timeout={int(self._busy_ms)}"'): (
         "PRAGMA takes no bound parameters; the value is forced through int()"
     ),
+    ("lightning_sql/store/sql/engine.py", 'f"PRAGMA wal_autocheckpoint={int(SQLITE_AUTOCHECKPOINT_BACKSTOP_PAGES)}"'): (
+        "PRAGMA takes no bound parameters; the value is a module constant forced through int()"
+    ),
     ("lightning_sql/store/sql/migrate.py", 'f"CREATE SCHEMA IF NOT EXISTS {quoted}"'): (
         "DDL takes no bound parameters; the schema name is quoted by the dialect's identifier preparer"
     ),

@@ -80,6 +80,16 @@ SQLITE_INLINE_READS = os.environ.get("LIGHTNING_SQL_SQLITE_INLINE_READS", "1") !
 # thread of the process is inside SQLite and nothing waits for the writer thread (``write_soon``);
 # otherwise they go to the writer thread. "0" turns it off; tests flip ``SqliteThreadWorker.inline_writes``.
 SQLITE_INLINE_WRITES = os.environ.get("LIGHTNING_SQL_SQLITE_INLINE_WRITES", "1") != "0"
+# SQLite files: WAL checkpoints (copying committed pages from the WAL into the database file) run
+# on a checkpointer thread of the worker, at most every SQLITE_CHECKPOINT_INTERVAL_S while writes
+# go on, instead of inside the COMMIT of whichever write crosses SQLite's 1,000-page threshold: a
+# checkpoint is C and I/O with the GIL released, so on another core it costs the callers nothing
+# (ADR 0005, decision 9).  The committing connection still checkpoints by itself past
+# SQLITE_AUTOCHECKPOINT_BACKSTOP_PAGES (the thread fell behind).  "0" turns it off (SQLite's own
+# autocheckpoint at 1,000 pages); tests flip ``SqliteThreadWorker.background_checkpoints``.
+SQLITE_BACKGROUND_CHECKPOINTS = os.environ.get("LIGHTNING_SQL_SQLITE_BACKGROUND_CHECKPOINT", "1") != "0"
+SQLITE_CHECKPOINT_INTERVAL_S = 0.05
+SQLITE_AUTOCHECKPOINT_BACKSTOP_PAGES = 16_000  # ~64 MB of WAL at 4 KiB pages
 # PostgreSQL: the units of the first event loop that calls a worker (its "home" loop: usually the
 # program's main loop, where the algorithm and the runners live) run in that loop, on an engine of
 # its own, instead of hopping to the I/O thread and back: the two cross-thread wake-ups and GIL
@@ -515,6 +525,14 @@ class SqliteThreadWorker(IoWorker):
         self._readers = threading.local()
         self._reader_engines: list[Engine] = []
         self.read_gate = _ReadGate()
+        # WAL checkpoints on a thread of their own (see SQLITE_BACKGROUND_CHECKPOINTS): commits set
+        # the event; the thread, started at the first one, checkpoints and waits the interval.
+        self.background_checkpoints = SQLITE_BACKGROUND_CHECKPOINTS and target.kind == "sqlite"
+        self.checkpoints = 0  # background checkpoints run (tests and measurements)
+        self._checkpoint_wanted = threading.Event()
+        self._checkpoint_stop = threading.Event()
+        self._checkpointer: threading.Thread | None = None
+        self._checkpointer_lock = threading.Lock()
         _SQLITE_THREAD_WORKERS.add(self)
         self.hub.on_first_waiter = functools.partial(self._queue.put, _POLL)
         self._thread = threading.Thread(
@@ -536,6 +554,8 @@ class SqliteThreadWorker(IoWorker):
                 conn.execute("PRAGMA query_only=ON")
             elif self.target.kind != "sqlite-memory":
                 conn.execute("PRAGMA journal_mode=WAL")
+                if self.background_checkpoints:
+                    conn.execute(f"PRAGMA wal_autocheckpoint={int(SQLITE_AUTOCHECKPOINT_BACKSTOP_PAGES)}")
             conn.execute("PRAGMA synchronous=NORMAL")
             conn.execute("PRAGMA foreign_keys=ON")
             conn.execute(f"PRAGMA busy_timeout={int(busy * 1000)}")
@@ -562,6 +582,7 @@ class SqliteThreadWorker(IoWorker):
         if not self.closed:
             self.closed = True
             self._queue.put(None)
+            self._close_checkpointer()
             # The reader connections close once no caller is inside one (the gate stays closed:
             # later reads see ``closed`` and go to the queue, which refuses them).
             if self.read_gate.close(FORK_QUIESCE_TIMEOUT_S):
@@ -657,6 +678,8 @@ class SqliteThreadWorker(IoWorker):
                         settled += len(chunk)
                 finally:
                     self.busy.release()
+                if settled:
+                    self._committed()
             for _unit, fut in items[settled:]:
                 fut.set_result((False, 0))
         except BaseException as exc:  # noqa: BLE001 - a loop callback: no caller may wait forever
@@ -787,12 +810,69 @@ class SqliteThreadWorker(IoWorker):
                 self._finish(live[0])
             elif live:
                 self._run_group(live)
+            if any(it[1] for it in live):
+                self._committed()
             if self.hub.has_waiters:
                 self._poll_data_version()
         with self.busy:
             self._drop_connection()
             if self._engine is not None:
                 self._engine.dispose()
+
+    def _committed(self) -> None:
+        """After writes committed on the writer connection: ask for a background checkpoint (the
+        checkpointer thread starts at the first call)."""
+        if not self.background_checkpoints or self._checkpoint_wanted.is_set():
+            return
+        if self._checkpointer is None:
+            with self._checkpointer_lock:
+                if self._checkpointer is None and not self.closed:
+                    self._checkpointer = threading.Thread(
+                        target=self._checkpoint_forever,
+                        name=f"lightning-sql-checkpoint[{self.target.masked}]",
+                        daemon=True,
+                    )
+                    self._checkpointer.start()
+        self._checkpoint_wanted.set()
+
+    def _close_checkpointer(self) -> None:
+        """End the checkpointer thread and its connection (after a checkpoint under way)."""
+        self._checkpoint_stop.set()
+        self._checkpoint_wanted.set()  # it sees ``closed`` and ends
+        with self._checkpointer_lock:
+            thread = self._checkpointer
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(FORK_QUIESCE_TIMEOUT_S)
+
+    def _checkpoint_forever(self) -> None:
+        """The checkpointer thread: a PASSIVE checkpoint (it waits for no reader or writer and
+        copies what no reader still needs; the next writer restarts the WAL once all of it is in
+        the database) on a connection of its own, whenever commits asked for one, at most every
+        ``SQLITE_CHECKPOINT_INTERVAL_S``.  Through the read gate: a fork() waits for it or skips it."""
+        conn: sqlite3.Connection | None = None
+        try:
+            while True:
+                self._checkpoint_wanted.wait()
+                if self.closed:
+                    return
+                self._checkpoint_wanted.clear()
+                if self.read_gate.enter():
+                    try:
+                        if conn is None:
+                            conn = sqlite3.connect(
+                                self.target.path or "", isolation_level=None, check_same_thread=False, timeout=0
+                            )
+                        conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+                        self.checkpoints += 1
+                    except sqlite3.Error:  # busy or gone: the next commits ask again (backstop: autocheckpoint)
+                        logger.debug("background checkpoint failed", exc_info=True)
+                    finally:
+                        self.read_gate.leave()
+                if self._checkpoint_stop.wait(SQLITE_CHECKPOINT_INTERVAL_S):
+                    return
+        finally:
+            if conn is not None:
+                conn.close()
 
     def _connection(self) -> Connection:
         """The thread's one connection, kept open between units (a checkout per unit costs more
