@@ -70,6 +70,7 @@ class _Plan:
 
 
 _plans: dict[tuple[Any, ...], _Plan | None] = {}
+_PLANS_MAX = 8192
 _plans_lock = threading.Lock()
 
 
@@ -308,6 +309,8 @@ def _lookup(conn: Connection, stmt: Any, first_params: Mapping[str, Any] | None)
         pass
     plan = _plan_for(conn, stmt, schema_map, column_keys)
     with _plans_lock:
+        if len(_plans) >= _PLANS_MAX:
+            _plans.clear()  # plans are per schema: a process that opens stores on many keeps no more
         return _plans.setdefault(key, plan)
 
 
