@@ -129,14 +129,20 @@ def machine_info() -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _collector_settled() -> Any:
-    """A full collection, then what lives frozen out of the collector's reach for one measurement.
+def _collector_settled(freeze: bool) -> Any:
+    """With ``freeze`` (``--freeze-gc``): a full collection, then what lives frozen out of the
+    collector's reach for one measurement.
 
-    The baselines' import graph alone is ~0.7 million objects in this process (agentlightning pulls
-    in litellm, openai, ...): every full collection walks it, ~0.4 s here by the end of a run, and
-    lands in whichever target happens to allocate at that moment (one of three W4 R=128 SQLite
-    repetitions ran at 3,800 claims/s instead of 25,000, in the old code as in the new).  Frozen,
-    a collection during a measurement walks only what the measurement made."""
+    This process holds ~0.7 million objects before any store exists (agentlightning's import graph:
+    litellm, openai, ...).  Every full collection walks them, ~0.4 s here by the end of a run, and
+    lands in whichever target allocates at that moment: a W4 R=128 SQLite repetition at 3,800
+    claims/s instead of 25,000, and B2's server (a thread of this process) pays them throughout W7.
+    A real process of either store holds its imports too, so the default measures with them;
+    frozen, a collection during a measurement walks only what the measurement made (a diagnostic:
+    docs/performance.md, eighth pass)."""
+    if not freeze:
+        yield
+        return
     gc.collect()
     gc.freeze()
     try:
@@ -145,8 +151,8 @@ def _collector_settled() -> Any:
         gc.unfreeze()
 
 
-async def _run_one(case: Case, target_name: str, size: Size, workdir: str) -> Measurement:
-    with _collector_settled():
+async def _run_one(case: Case, target_name: str, size: Size, workdir: str, *, freeze_gc: bool = False) -> Measurement:
+    with _collector_settled(freeze_gc):
         return await _run_one_settled(case, target_name, size, workdir)
 
 
@@ -215,6 +221,7 @@ async def run_benchmarks(
     *,
     scale: float = 1.0,
     baselines: bool = True,
+    freeze_gc: bool = False,
     echo: Callable[[str], None] = print,
 ) -> Report:
     """Run the workloads and return the report (``report.problems`` lists every failed check)."""
@@ -264,7 +271,7 @@ async def run_benchmarks(
                     shift = rep % len(names)  # interleave: a different target goes first each repetition
                     for name in names[shift:] + names[:shift]:
                         try:
-                            m = await _run_one(case, name, knobs, workdir)
+                            m = await _run_one(case, name, knobs, workdir, freeze_gc=freeze_gc)
                         except Exception as exc:  # noqa: BLE001 - a crash is a failed check, not a hang
                             m = Measurement({}, [f"crashed: {type(exc).__name__}: {exc}"])
                         results[(case.workload, case.label)].runs.setdefault(name, []).append(m)
@@ -292,13 +299,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every work count of the size")
     parser.add_argument("--no-baselines", action="store_true", help="skip B1/B2 even if agentlightning is installed")
     parser.add_argument("--json", metavar="PATH", help="also write the full results as JSON")
+    parser.add_argument(
+        "--freeze-gc",
+        action="store_true",
+        help="collect, then freeze the living objects before each measurement (diagnostic: no full "
+        "collection over the process's imports lands in a measurement)",
+    )
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error("--repeat must be >= 1")
     try:
         report = asyncio.run(
             run_benchmarks(
-                args.workloads, args.backend, args.repeat, args.size, scale=args.scale, baselines=not args.no_baselines
+                args.workloads,
+                args.backend,
+                args.repeat,
+                args.size,
+                scale=args.scale,
+                baselines=not args.no_baselines,
+                freeze_gc=args.freeze_gc,
             )
         )
     except (ValueError, RuntimeError) as exc:
