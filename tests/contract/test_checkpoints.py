@@ -74,9 +74,8 @@ async def test_a_fork_in_progress_skips_the_checkpoint(store: Any) -> None:
     await store.enqueue_rollout(PAYLOAD)
     worker = store._worker
     await _wait_for(lambda: worker.checkpoints >= 1)
-    await asyncio.sleep(engine.SQLITE_CHECKPOINT_INTERVAL_S * 3)  # the thread waits for the next ask
-    done = worker.checkpoints
     assert worker.read_gate.close(5)  # what _quiesce_before_fork does: nobody enters SQLite
+    done = worker.checkpoints  # none under way (close waited for it), none can start
     try:
         await store.enqueue_rollout(PAYLOAD)  # asks for a checkpoint
         await asyncio.sleep(engine.SQLITE_CHECKPOINT_INTERVAL_S * 4)
