@@ -1296,17 +1296,11 @@ class AsyncLoopWorker(IoWorker):
         snapshot: bool = False,
     ) -> concurrent.futures.Future[T]:
         """Run ``unit`` on the loop; ``snapshot`` only for reads (see the class doc)."""
-        if write and snapshot:
-            raise ValueError("a snapshot is for read units (write=False)")
-        if autocommit and snapshot:
-            raise ValueError("a snapshot is a transaction: autocommit and snapshot exclude each other")
+        isolation = self._isolation(write, autocommit, snapshot)
         if self.closed:
             fut: concurrent.futures.Future[T] = concurrent.futures.Future()
             fut.set_exception(RuntimeError("The store's I/O thread is closed"))
             return fut
-        isolation = None
-        if self.target.kind == "postgresql":
-            isolation = self._PG_AUTOCOMMIT if autocommit else self._PG_SNAPSHOT if snapshot else self._PG_TRANSACTION
         fut = concurrent.futures.Future()
         with self._inbox_lock:
             self._inbox.append((unit, write, deadline_s, isolation, fut))
@@ -1322,6 +1316,16 @@ class AsyncLoopWorker(IoWorker):
                 for item in items:
                     item[4].set_exception(RuntimeError(f"The store's I/O thread is closed ({exc})"))
         return fut
+
+    def _isolation(self, write: bool, autocommit: bool, snapshot: bool) -> str | None:
+        """How a PostgreSQL unit runs (the class doc); None on aiosqlite."""
+        if write and snapshot:
+            raise ValueError("a snapshot is for read units (write=False)")
+        if autocommit and snapshot:
+            raise ValueError("a snapshot is a transaction: autocommit and snapshot exclude each other")
+        if self.target.kind != "postgresql":
+            return None
+        return self._PG_AUTOCOMMIT if autocommit else self._PG_SNAPSHOT if snapshot else self._PG_TRANSACTION
 
     def run_here(
         self,
@@ -1344,7 +1348,7 @@ class AsyncLoopWorker(IoWorker):
             home = self._adopt_home(loop)
             if home is None:
                 return None
-        isolation = self._PG_AUTOCOMMIT if autocommit else self._PG_SNAPSHOT if snapshot else self._PG_TRANSACTION
+        isolation = self._isolation(write, autocommit, snapshot)
         task = loop.create_task(self._run_unit(unit, write, deadline_s, isolation, home.engine))
         self._running.add(task)
         task.add_done_callback(self._running.discard)
