@@ -524,6 +524,7 @@ class SqliteThreadWorker(IoWorker):
         self._busy_ms = int(float(options.get("busy_timeout", SQLITE_BUSY_TIMEOUT_S)) * 1000)
         self._readers = threading.local()
         self._reader_engines: list[Engine] = []
+        self._reader_conns: list[Connection] = []  # every thread's, closed with the worker
         self.read_gate = _ReadGate()
         # WAL checkpoints on a thread of their own (see SQLITE_BACKGROUND_CHECKPOINTS): commits set
         # the event; the thread, started at the first one, checkpoints and waits the interval.
@@ -586,6 +587,11 @@ class SqliteThreadWorker(IoWorker):
             # The reader connections close once no caller is inside one (the gate stays closed:
             # later reads see ``closed`` and go to the queue, which refuses them).
             if self.read_gate.close(FORK_QUIESCE_TIMEOUT_S):
+                # Closed before the engines are disposed: a connection left checked out keeps its
+                # pool alive through SQLAlchemy's finalizer registry, and with it this worker.
+                conns, self._reader_conns = self._reader_conns, []
+                for conn in conns:
+                    _close_quietly(conn, "a SQLite reader connection")
                 engines, self._reader_engines = self._reader_engines, []
                 for engine in engines:
                     engine.dispose()
@@ -608,6 +614,7 @@ class SqliteThreadWorker(IoWorker):
                     engine = self._make_engine(reader=True)
                     self._reader_engines.append(engine)
                     conn = self._readers.conn = engine.connect()
+                    self._reader_conns.append(conn)
                 fastexec.control(conn, "BEGIN")
                 ctx = UnitContext(conn, "sqlite")
                 result = unit(ctx)
@@ -735,10 +742,9 @@ class SqliteThreadWorker(IoWorker):
     def _abandon_reader(self, conn: Connection) -> None:
         if not _roll_back(conn):  # a broken reader connection is replaced
             self._readers.conn = None
-            try:
-                conn.close()
-            except BaseException:  # noqa: BLE001
-                logger.debug("closing a SQLite reader connection failed", exc_info=True)
+            with contextlib.suppress(ValueError):
+                self._reader_conns.remove(conn)
+            _close_quietly(conn, "a SQLite reader connection")
 
     def ensure_schema_locked(self, conn: Connection, *, auto_migrate: bool, read_only: bool) -> None:
         if self._schema_ready is not None:
@@ -886,10 +892,7 @@ class SqliteThreadWorker(IoWorker):
     def _drop_connection(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
-            try:
-                conn.close()
-            except Exception:  # noqa: BLE001 - it is being thrown away
-                logger.debug("closing the SQLite connection failed", exc_info=True)
+            _close_quietly(conn, "the SQLite connection")
 
     def _poll_data_version(self) -> None:
         with self.busy:
@@ -1097,6 +1100,14 @@ class SqliteThreadWorker(IoWorker):
             raise
         self._after_commit(ctx)
         return result
+
+
+def _close_quietly(conn: Connection, what: str) -> None:
+    """Close ``conn``, which is being thrown away: a failure is only logged."""
+    try:
+        conn.close()
+    except Exception:  # noqa: BLE001 - it is being thrown away
+        logger.debug("closing %s failed", what, exc_info=True)
 
 
 def _roll_back(conn: Connection) -> bool:
