@@ -12,6 +12,7 @@ calls run one by one, each with its own outcome.
 from __future__ import annotations
 
 import asyncio
+import gc
 import sqlite3
 from typing import Any
 
@@ -230,3 +231,68 @@ async def test_a_sequence_id_batch_finds_its_rollouts_by_key(store_factory: Any)
     touching = [line for line in details if " rollouts " in f" {line} " or line.endswith(" rollouts")]
     assert touching and all("(run_id=? AND rollout_id=?)" in line for line in touching), details
     assert not any(line.startswith("SCAN rollouts") for line in details), details
+
+
+class _AbandoningLoop(asyncio.SelectorEventLoop):
+    """An event loop that never runs the store's flush callbacks (as if it closed before its next
+    turn): it keeps them in ``abandoned`` instead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.abandoned: list[Any] = []
+
+    def call_soon(self, callback: Any, *args: Any, context: Any = None) -> Any:
+        if getattr(callback, "__name__", "") in ("_flush_soon", "_flush_batch"):
+            self.abandoned.append(callback)
+            return None
+        return super().call_soon(callback, *args, context=context)
+
+
+def _queued_for(worker: Any, loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether ``worker`` holds units queued for ``loop``'s next turn (SQLite's inline writes, or the
+    call batches of the I/O loop's workers)."""
+    soon = getattr(worker, "_soon", {})
+    batches = getattr(worker, "batches", {})
+    return loop in soon or any(key[0] is loop for key in batches)
+
+
+# The abandoned call's task is destroyed pending with its loop: that is the scenario.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+async def test_a_loop_closed_before_its_flush_leaves_nothing_queued(store_factory: Any) -> None:
+    """Units queued for a loop's next turn whose loop closes first (a hand-run loop closed with calls
+    in flight) are forgotten at the next call from another loop: they would keep the closed loop and
+    their futures alive for as long as the store."""
+    store = store_factory()
+    await store.enqueue_many_rollouts([EnqueueRolloutRequest(input=i) for i in range(2)])
+    worker = store._worker
+
+    def abandon() -> None:
+        loop = _AbandoningLoop()
+
+        async def claim_until_queued() -> None:
+            task = asyncio.ensure_future(store.dequeue_rollout(worker_id="gone"))
+            for _ in range(1000):
+                if _queued_for(worker, loop):
+                    break
+                await asyncio.sleep(0.001)
+            task.cancel()  # the call stays pending: its unit is never run (cancellation is shielded)
+
+        try:
+            loop.run_until_complete(claim_until_queued())
+        finally:
+            loop.close()
+        assert loop.abandoned and _queued_for(worker, loop)
+
+    await asyncio.to_thread(abandon)
+    claimed = await store.dequeue_rollout(worker_id="w")  # this loop's first call of a turn
+    assert claimed is not None
+    soon, batches = getattr(worker, "_soon", {}), getattr(worker, "batches", {})
+    left = [lp for lp in soon if lp.is_closed()] + [key for key in batches if key[0].is_closed()]
+    try:
+        assert left == []
+    finally:  # the abandoned coroutine ends here, not while pytest reports (whatever the outcome)
+        for key in left:
+            soon.pop(key, None)
+            batches.pop(key, None)
+        del left
+        gc.collect()

@@ -645,6 +645,7 @@ class SqliteThreadWorker(IoWorker):
         fut: asyncio.Future[tuple[bool, Any]] = loop.create_future()
         batch = self._soon.get(loop)
         if batch is None:
+            drop_closed_loops(self._soon, lambda lp: lp)
             batch = self._soon[loop] = []
             loop.call_soon(self._flush_soon, loop)
         batch.append((unit, fut))
@@ -1100,6 +1101,15 @@ class SqliteThreadWorker(IoWorker):
             raise
         self._after_commit(ctx)
         return result
+
+
+def drop_closed_loops(queued: dict[Any, Any], loop_of: Callable[[Any], asyncio.AbstractEventLoop]) -> None:
+    """Forget the entries of ``queued`` (units queued for a flush at a loop's next turn) whose loop
+    closed before that turn ran: nobody can wait for them any more, and they would keep the loop
+    and their futures alive.  Called when a loop queues its first unit of a turn."""
+    for key in list(queued):
+        if loop_of(key).is_closed():
+            queued.pop(key, None)
 
 
 def _close_quietly(conn: Connection, what: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import operator
 import os
 import threading
 import time
@@ -34,6 +35,7 @@ from lightning_sql.store.sql.engine import (
     SqliteThreadWorker,
     UnitContext,
     acquire_worker,
+    drop_closed_loops,
     normalise_url,
     release_worker,
     wake_loop,
@@ -434,6 +436,7 @@ class StoreInstance:
         fut: asyncio.Future[T] = loop.create_future()
         pending = worker.batches.get(key)
         if pending is None:
+            drop_closed_loops(worker.batches, operator.itemgetter(0))
             pending = worker.batches[key] = []
             loop.call_soon(self._flush_batch, worker, key)
         pending.append((unit, fut, autocommit))
