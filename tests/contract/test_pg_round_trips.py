@@ -34,7 +34,7 @@ from sqlalchemy import make_url, text
 from lightning_sql import EnqueueRolloutRequest, RolloutConfig, SqlLightningStore
 from lightning_sql.store.sql import engine as engine_module
 from lightning_sql.store.sql.check import check_invariants
-from lightning_sql.store.sql.engine import NOTIFY_CHANNEL, UnitContext
+from lightning_sql.store.sql.engine import UnitContext, notify_channel
 from tests.conftest import PG_URL, BackendSpec
 from tests.contract.test_spans import make_span
 from tests.helpers import FakeClock, pg_execute
@@ -441,7 +441,7 @@ async def test_a_units_notifications_are_one_statement(
     payloads: list[str] = []
     listener = await asyncpg.connect(_listen_url(url))
     try:
-        await listener.add_listener(NOTIFY_CHANNEL, lambda *args: payloads.append(args[3]))
+        await listener.add_listener(notify_channel(schema), lambda *args: payloads.append(args[3]))
         retried = await store.start_rollout(
             1, config=RolloutConfig(timeout_seconds=10, max_attempts=2, retry_condition=["timeout"])
         )
@@ -477,7 +477,7 @@ async def test_an_attempt_update_locks_in_one_statement_and_writes_in_one(
     payloads: list[str] = []
     listener = await asyncpg.connect(_listen_url(url))
     try:
-        await listener.add_listener(NOTIFY_CHANNEL, lambda *args: payloads.append(args[3]))
+        await listener.add_listener(notify_channel(schema), lambda *args: payloads.append(args[3]))
         await store.enqueue_many_rollouts(
             [
                 EnqueueRolloutRequest(

@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import time
+import uuid
 from typing import Any
 
 import pytest
 
 from lightning_sql import Rollout, SqlLightningStore
+from tests.helpers import pg_execute
 
 # Wake-up bound that separates a signal/NOTIFY from the 1 s polling fallback.
 WAKE_BOUND_S = 0.2
@@ -284,3 +286,68 @@ async def test_fallback_polls_sweep_expired_leases(store, clock):
     assert [(r.rollout_id, r.status) for r in got] == [(ar.rollout_id, "failed")]
     assert time.monotonic() - t0 < 5.0  # one fallback poll (~1 s), not the 10 s timeout
     assert (await store.get_latest_attempt(ar.rollout_id)).status == "timeout"
+
+
+async def test_stores_on_other_postgres_schemas_do_not_wake_each_other(pg_backend, clock):
+    """PostgreSQL: each schema has a NOTIFY channel of its own.  The payloads name a run by its id,
+    which is only unique in its schema: on one shared channel, every event of a store on another
+    schema of the database woke this store's waiters of the run with the same id."""
+    import asyncpg
+
+    other_schema = f"t_{uuid.uuid4().hex[:12]}"
+    here = pg_backend.open(run="wake", clock=clock, clock_sync=False)
+    pad = SqlLightningStore(pg_backend.url, schema=other_schema, run="pad", clock=clock, clock_sync=False)
+    there = SqlLightningStore(pg_backend.url, schema=other_schema, run="other", clock=clock, clock_sync=False)
+    woken: list[int | None] = []
+    try:
+        await pad.statistics()  # run 1 of the other schema: "other" is run 2, "wake" run 1 here
+        await there.statistics()
+        await here.statistics()
+        worker = here._worker
+        real_wake = worker.hub.wake
+
+        def wake(run_id: int | None = None) -> None:
+            woken.append(run_id)
+            real_wake(run_id)
+
+        worker.hub.wake = wake
+        marker = await asyncpg.connect(pg_backend.url.replace("postgresql+asyncpg://", "postgresql://"))
+        try:
+
+            async def notify_here() -> None:  # delivered by the listener only (no local wake)
+                await marker.execute(f"SELECT pg_notify('{worker.notify_channel}', '1:marker')")
+
+            # The listener connects in the background: notify until one arrives.
+            deadline = time.monotonic() + 10
+            while 1 not in woken:
+                assert time.monotonic() < deadline, "the listener never heard this schema's channel"
+                await notify_here()
+                await asyncio.sleep(0.05)
+            woken.clear()
+            await there.enqueue_rollout(1)  # NOTIFY "2:queued" on the other schema's channel
+            await notify_here()  # committed after it: delivered after it to a listener of both
+            await _until(lambda: 1 in woken, 10)
+        finally:
+            await marker.close()
+        assert 2 not in woken, woken
+    finally:
+        for store in (here, pad, there):
+            await store.close()
+        await pg_execute(pg_backend.url, f'DROP SCHEMA IF EXISTS "{other_schema}" CASCADE')
+
+
+async def _until(condition: Any, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def test_notify_channels_fit_postgres_identifiers():
+    from lightning_sql.store.sql.engine import NOTIFY_CHANNEL, notify_channel
+
+    assert notify_channel(None) == NOTIFY_CHANNEL  # the default schema keeps the channel of old
+    assert notify_channel("tenant_a") == f"{NOTIFY_CHANNEL}:tenant_a"
+    long_a, long_b = "a" * 63, "a" * 62 + "b"  # the longest schema names PostgreSQL keeps
+    channels = {notify_channel(long_a), notify_channel(long_b), notify_channel("é" * 31)}
+    assert len(channels) == 3 and all(len(c.encode()) <= 63 for c in channels)

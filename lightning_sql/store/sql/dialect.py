@@ -36,7 +36,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, array_agg
 
 from lightning_sql.store.sql import schema as s
-from lightning_sql.store.sql.engine import NOTIFY_CHANNEL, UnitContext
+from lightning_sql.store.sql.engine import UnitContext
 from lightning_sql.store.sql.fastexec import make_row_class
 from lightning_sql.store.sql.statements import cached
 from lightning_sql.types import QUEUED_STATUSES
@@ -570,7 +570,7 @@ def run_writes(ctx: UnitContext, writes: Sequence[Write]) -> Any:
     for write in writes:
         params.update(write.params)
     if payloads:
-        params["wn_channel"] = NOTIFY_CHANNEL
+        params["wn_channel"] = ctx.notify_channel
         params["wn_payloads"] = payloads
     return ctx.execute(stmt, params).first()
 

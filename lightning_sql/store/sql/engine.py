@@ -20,6 +20,7 @@ import concurrent.futures
 import contextlib
 import fcntl
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -98,6 +99,19 @@ SQLITE_AUTOCHECKPOINT_BACKSTOP_PAGES = 16_000  # ~64 MB of WAL at 4 KiB pages
 # hops); tests flip ``AsyncLoopWorker.home_units``.
 PG_HOME_LOOP_UNITS = os.environ.get("LIGHTNING_SQL_PG_HOME_LOOP", "1") != "0"
 NOTIFY_CHANNEL = "lightning_sql_v1"
+
+
+def notify_channel(schema: str | None) -> str:
+    """The LISTEN/NOTIFY channel of the store's tables in ``schema``: ``NOTIFY_CHANNEL`` for the
+    default schema, and one channel per named schema, so that stores on other schemas of the same
+    database (whose run ids are their own) neither hear nor wake each other.  A name over
+    PostgreSQL's 63 bytes is replaced by a digest of the schema."""
+    if schema is None:
+        return NOTIFY_CHANNEL
+    channel = f"{NOTIFY_CHANNEL}:{schema}"
+    if len(channel.encode()) > 63:
+        channel = f"{NOTIFY_CHANNEL}:{hashlib.sha256(schema.encode()).hexdigest()[:32]}"
+    return channel
 
 # PostgreSQL SQLSTATEs that a replay of the whole unit can cure.
 _PG_TRANSIENT_SQLSTATES = {
@@ -225,6 +239,7 @@ class UnitContext:
     # Events a statement of the unit already notified (PostgreSQL, dialect.run_writes): the worker
     # sends only the others.
     notified: set[tuple[int, str]] = field(default_factory=set)
+    notify_channel: str = NOTIFY_CHANNEL  # PostgreSQL: where they go (``notify_channel(schema)``)
 
     def announce(self, run_id: int, kind: str) -> None:
         """Record a ``finished``/``queued`` event, delivered once per kind and run after commit."""
@@ -1215,6 +1230,7 @@ class AsyncLoopWorker(IoWorker):
 
     def __init__(self, target: DatabaseTarget, *, schema: str | None, options: dict[str, Any]) -> None:
         super().__init__(target, schema=schema, options=options)
+        self.notify_channel = notify_channel(schema)
         self._loop = asyncio.new_event_loop()
         self._engine: AsyncEngine | None = None
         self._serial: asyncio.Lock | None = None  # aiosqlite: one writer at a time
@@ -1596,14 +1612,14 @@ class AsyncLoopWorker(IoWorker):
                     conn.execution_options(isolation_level="REPEATABLE READ", postgresql_readonly=True)
                 elif aiosqlite:
                     conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
-                ctx = UnitContext(conn, dialect, attempt=attempt)
+                ctx = UnitContext(conn, dialect, attempt=attempt, notify_channel=self.notify_channel)
                 holder["ctx"] = ctx
                 try:
                     result = unit(ctx)
                     payloads = ctx.take_notifications() if dialect == "postgresql" else []
                     if payloads:
                         # One statement for all of the unit's events, delivered by the COMMIT.
-                        conn.execute(self._PG_NOTIFY, {"channel": NOTIFY_CHANNEL, "payloads": payloads})
+                        conn.execute(self._PG_NOTIFY, {"channel": self.notify_channel, "payloads": payloads})
                     conn.commit()
                 except BaseException:
                     try:
@@ -1635,7 +1651,7 @@ class AsyncLoopWorker(IoWorker):
                     except ValueError:
                         self.hub.wake(None)
 
-                await conn.add_listener(NOTIFY_CHANNEL, on_notify)
+                await conn.add_listener(self.notify_channel, on_notify)
                 self.hub.wake(None)  # (re)connected: every waiter re-reads
                 while not conn.is_closed() and not self.closed:
                     await asyncio.sleep(PG_LISTEN_RECONNECT_S)
