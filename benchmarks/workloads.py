@@ -228,14 +228,21 @@ async def runner_loop(
 
 
 async def lifecycle(
-    target: Target, size: Size, *, runners: int, batch: bool, n: int | None = None, lean: bool = False
+    target: Target,
+    size: Size,
+    *,
+    runners: int,
+    batch: bool,
+    n: int | None = None,
+    lean: bool = False,
+    page: int = ENQUEUE_CHUNK,
 ) -> Measurement:
     """W1 (batch) / W2 (single spans): enqueue, R runners until empty, then read every rollout back.
 
-    ``lean`` (W8) keeps the harness's own memory flat in N (``_lean_lifecycle``).
+    ``lean`` (W8) keeps the harness's own memory flat in N (``_lean_lifecycle``, in chunks of ``page``).
     """
     if lean:
-        return await _lean_lifecycle(target, size, runners=runners, batch=batch, n=n or size.lifecycle_n)
+        return await _lean_lifecycle(target, size, runners=runners, batch=batch, n=n or size.lifecycle_n, page=page)
     store = target.store
     if n is None:
         n = size.b2_lifecycle_n if target.name == "B2" else size.lifecycle_n
@@ -268,27 +275,29 @@ class _ClaimCount:
         self.count += 1
 
 
-async def _lean_lifecycle(target: Target, size: Size, *, runners: int, batch: bool, n: int) -> Measurement:
+async def _lean_lifecycle(
+    target: Target, size: Size, *, runners: int, batch: bool, n: int, page: int
+) -> Measurement:
     """W1 with the harness's memory independent of N, so that W8 measures the store: the queue is
-    filled in chunks, runners count their claims instead of listing them, and the read-back walks
-    the rollouts in pages. The checks are the same in substance: claims add up to N and every
-    rollout succeeded with exactly ONE attempt (a rollout claimed twice would have two, or leave
-    another unclaimed), with its spans in order."""
+    filled in chunks of ``page`` rollouts, runners count their claims instead of listing them, and
+    the read-back walks the rollouts in pages of ``page``. The checks are the same in substance:
+    claims add up to N and every rollout succeeded with exactly ONE attempt (a rollout claimed twice
+    would have two, or leave another unclaimed), with its spans in order."""
     store = target.store
     s = size.spans_per_rollout
     factory = SpanFactory(target.span_cls, size.heavy)
     claims = _ClaimCount()
     problems: list[str] = []
     started = time.perf_counter()
-    for start in range(0, n, ENQUEUE_CHUNK):
-        count = min(n, start + ENQUEUE_CHUNK) - start
+    for start in range(0, n, page):
+        count = min(n, start + page) - start
         await store.enqueue_many_rollouts([target.request_cls(input={"task": start + i}) for i in range(count)])
     await asyncio.gather(*(runner_loop(store, factory, f"runner-{i}", s, batch, claims) for i in range(runners)))
     seen = bad = 0
     offset = 0
     while True:
-        page = await store.query_rollouts(limit=ENQUEUE_CHUNK, offset=offset)
-        for rollout in page:
+        rollouts = await store.query_rollouts(limit=page, offset=offset)
+        for rollout in rollouts:
             seen += 1
             attempt = getattr(rollout, "attempt", None) or await store.get_latest_attempt(rollout.rollout_id)
             if rollout.status != "succeeded" or attempt is None or attempt.sequence_id != 1:
@@ -302,9 +311,9 @@ async def _lean_lifecycle(target: Target, size: Size, *, runners: int, batch: bo
             problem = check_span_order(spans, s, rollout.rollout_id)
             if problem and len(problems) < 5:
                 problems.append(problem)
-        if len(page) < ENQUEUE_CHUNK:
+        if len(rollouts) < page:
             break
-        offset += ENQUEUE_CHUNK
+        offset += page
     elapsed = time.perf_counter() - started
     if claims.count != n or seen != n:
         problems.append(f"lean lifecycle: {claims.count} claims and {seen} rollouts, expected {n} of each")
@@ -594,11 +603,16 @@ async def scaleout(target: Target, size: Size, *, processes: int, runners_per_pr
 
 def _memory_child(target_name: str, n: int, size: Size, results: Any) -> None:
     # Sampled, not ru_maxrss: on Linux ru_maxrss survives exec, so a spawned child would report its
-    # parent's peak.
+    # parent's peak.  Every size enqueues and reads back in chunks of the same size, at most the
+    # smallest N: with chunks of 2,000 the small N's one chunk was smaller than the large N's, and the
+    # larger transient peak of the calls' 2,000 models (arena high-water marks) made most of the
+    # "growth" (docs/performance.md, W8).
+    page = min(ENQUEUE_CHUNK, *size.memory_n)
+
     async def main() -> None:
         with tempfile.TemporaryDirectory(prefix="bench-mem-") as workdir, RssSampler() as rss:
             async with open_target(target_name, workdir) as target:
-                m = await lifecycle(target, size, runners=8, batch=True, n=n, lean=True)
+                m = await lifecycle(target, size, runners=8, batch=True, n=n, lean=True, page=page)
         results.put((m.metrics["rollouts/s"], rss.peak_mb, m.problems))
 
     try:
