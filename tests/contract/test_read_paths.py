@@ -463,9 +463,9 @@ async def test_close_closes_the_reader_connections(tmp_path: Path) -> None:
     await store.query_rollouts()
     await asyncio.to_thread(asyncio.run, store.query_rollouts())  # a reader in another thread too
     worker = _worker(store)
-    assert len(worker._reader_engines) == 2
+    assert len(worker._reader_slots) == 2
     await store.close()
-    assert worker.closed and worker._reader_engines == []
+    assert worker.closed and worker._reader_slots == []
     worker._thread.join(5)  # the writer thread closes its own connection on its way out
     # Every connection to the file is closed: an exclusive lock is possible at once.
     locker = sqlite3.connect(tmp_path / "s.db", isolation_level=None, timeout=0)
@@ -473,6 +473,28 @@ async def test_close_closes_the_reader_connections(tmp_path: Path) -> None:
     locker.execute("BEGIN EXCLUSIVE")
     locker.rollback()
     locker.close()
+
+
+
+async def test_the_readers_of_threads_that_ended_are_closed(tmp_path: Path) -> None:
+    """A thread's reader connection (and its engine, and the file descriptors of the database and
+    its WAL) is closed once the thread has ended and another thread opens one: a caller that reads
+    from a new thread each time does not pile them up."""
+    store = SqlLightningStore(f"sqlite:///{tmp_path / 's.db'}", run="r", clock_sync=False)
+    try:
+        await _with_spans(store, 1)
+        await store.query_rollouts()
+        worker = _worker(store)
+        ended: list[Any] = []
+        for _ in range(5):
+            thread = threading.Thread(target=asyncio.run, args=(store.query_rollouts(),))
+            thread.start()
+            thread.join()
+            ended.append(thread)
+        assert [slot[0] for slot in worker._reader_slots] == [threading.main_thread(), ended[-1]]
+        assert len(await store.query_rollouts()) == 1  # this thread's reader is still there
+    finally:
+        await store.close()
 
 
 # --- inline writes ----------------------------------------------------------------------------

@@ -538,8 +538,11 @@ class SqliteThreadWorker(IoWorker):
         self._soon: dict[asyncio.AbstractEventLoop, list[Any]] = {}  # write_soon's units per loop
         self._busy_ms = int(float(options.get("busy_timeout", SQLITE_BUSY_TIMEOUT_S)) * 1000)
         self._readers = threading.local()
-        self._reader_engines: list[Engine] = []
-        self._reader_conns: list[Connection] = []  # every thread's, closed with the worker
+        # Every thread's reader connection and its engine: a thread that ended has its closed when
+        # another thread opens one (no file descriptors left behind by short-lived threads), and
+        # every one is closed with the worker.
+        self._reader_slots: list[tuple[threading.Thread, Engine, Connection]] = []
+        self._reader_lock = threading.Lock()
         self.read_gate = _ReadGate()
         # WAL checkpoints on a thread of their own (see SQLITE_BACKGROUND_CHECKPOINTS): commits set
         # the event; the thread, started at the first one, checkpoints and waits the interval.
@@ -602,14 +605,7 @@ class SqliteThreadWorker(IoWorker):
             # The reader connections close once no caller is inside one (the gate stays closed:
             # later reads see ``closed`` and go to the queue, which refuses them).
             if self.read_gate.close(FORK_QUIESCE_TIMEOUT_S):
-                # Closed before the engines are disposed: a connection left checked out keeps its
-                # pool alive through SQLAlchemy's finalizer registry, and with it this worker.
-                conns, self._reader_conns = self._reader_conns, []
-                for conn in conns:
-                    _close_quietly(conn, "a SQLite reader connection")
-                engines, self._reader_engines = self._reader_engines, []
-                for engine in engines:
-                    engine.dispose()
+                self._close_readers(lambda _slot: True)
 
     def read_inline(self, unit: Unit[T]) -> tuple[bool, T | None]:
         """Run the read unit ``unit`` in the calling thread, as one read transaction on this thread's
@@ -626,10 +622,7 @@ class SqliteThreadWorker(IoWorker):
             conn = getattr(self._readers, "conn", None)
             try:
                 if conn is None:
-                    engine = self._make_engine(reader=True)
-                    self._reader_engines.append(engine)
-                    conn = self._readers.conn = engine.connect()
-                    self._reader_conns.append(conn)
+                    conn = self._open_reader()
                 fastexec.control(conn, "BEGIN")
                 ctx = UnitContext(conn, "sqlite")
                 result = unit(ctx)
@@ -755,12 +748,39 @@ class SqliteThreadWorker(IoWorker):
             except sqlite3.Error:  # the thread's next unit opens a connection with its timeout
                 self._drop_connection()
 
+    def _open_reader(self) -> Connection:
+        """This thread's reader connection, new (the readers of threads that ended are closed first)."""
+        self._close_readers(lambda slot: not slot[0].is_alive())
+        engine = self._make_engine(reader=True)
+        try:
+            conn = engine.connect()
+        except BaseException:
+            engine.dispose()
+            raise
+        with self._reader_lock:
+            self._reader_slots.append((threading.current_thread(), engine, conn))
+        self._readers.conn = conn
+        return conn
+
+    def _close_readers(self, which: Callable[[tuple[threading.Thread, Engine, Connection]], bool]) -> None:
+        """Close the reader connections (thread, engine, connection) that ``which`` picks, then
+        dispose their engines (in this order: a connection left checked out would keep its pool
+        alive through SQLAlchemy's finalizer registry, and with the pool's ``creator`` this worker)."""
+        closing: list[tuple[threading.Thread, Engine, Connection]] = []
+        keeping: list[tuple[threading.Thread, Engine, Connection]] = []
+        with self._reader_lock:
+            for slot in self._reader_slots:
+                (closing if which(slot) else keeping).append(slot)
+            self._reader_slots = keeping
+        for _thread, engine, conn in closing:
+            _close_quietly(conn, "a SQLite reader connection")
+            engine.dispose()
+
     def _abandon_reader(self, conn: Connection) -> None:
         if not _roll_back(conn):  # a broken reader connection is replaced
             self._readers.conn = None
-            with contextlib.suppress(ValueError):
-                self._reader_conns.remove(conn)
             _close_quietly(conn, "a SQLite reader connection")
+            self._close_readers(lambda slot: slot[2] is conn)
 
     def ensure_schema_locked(self, conn: Connection, *, auto_migrate: bool, read_only: bool) -> None:
         if self._schema_ready is not None:
