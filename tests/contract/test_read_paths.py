@@ -475,7 +475,6 @@ async def test_close_closes_the_reader_connections(tmp_path: Path) -> None:
     locker.close()
 
 
-
 async def test_the_readers_of_threads_that_ended_are_closed(tmp_path: Path) -> None:
     """A thread's reader connection (and its engine, and the file descriptors of the database and
     its WAL) is closed once the thread has ended and another thread opens one: a caller that reads

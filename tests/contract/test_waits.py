@@ -315,7 +315,7 @@ async def test_stores_on_other_postgres_schemas_do_not_wake_each_other(pg_backen
         try:
 
             async def notify_here() -> None:  # delivered by the listener only (no local wake)
-                await marker.execute(f"SELECT pg_notify('{worker.notify_channel}', '1:marker')")
+                await marker.execute("SELECT pg_notify($1, '1:marker')", worker.notify_channel)
 
             # The listener connects in the background: notify until one arrives.
             deadline = time.monotonic() + 10

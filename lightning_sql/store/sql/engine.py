@@ -113,6 +113,7 @@ def notify_channel(schema: str | None) -> str:
         channel = f"{NOTIFY_CHANNEL}:{hashlib.sha256(schema.encode()).hexdigest()[:32]}"
     return channel
 
+
 # PostgreSQL SQLSTATEs that a replay of the whole unit can cure.
 _PG_TRANSIENT_SQLSTATES = {
     "40001",  # serialization_failure
