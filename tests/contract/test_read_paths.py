@@ -115,17 +115,66 @@ def test_sqlite_json_fast_path_decodes_and_fails_like_json_loads() -> None:
         return json.loads(value)
 
     process = fastexec._sqlite_json(slow)
-    for text in ['{"a":[1,2.5,null,"é"]}', "[]", '"s"', "3", "null"]:
+    for text in ['{"a":[1,2.5,null,"é"]}', "[]", '"s"', "3", "null", '  {"a": 1} ', b'{"a": 1}']:
         assert process(text) == json.loads(text)
-    assert slow_calls == []  # compact text never takes the slow path
+    assert slow_calls == []  # valid text (whitespace and bytes included) never takes the slow path
     assert process(None) is None
-    assert process('  {"a": 1} ') == {"a": 1}  # surrounding whitespace: the slow path, same result
-    assert process(b'{"a": 1}') == {"a": 1}  # bytes: likewise
     with pytest.raises(json.JSONDecodeError):
         process('{"a": 1} x')  # trailing garbage is an error, as for json.loads
     with pytest.raises(json.JSONDecodeError):
         process("{")
-    assert len(slow_calls) == 4
+    assert slow_calls == ['{"a": 1} x', "{"]  # what the fast parser refuses: json.loads's own error
+
+
+# The JSON fast path of the read paths (``loads_json``: PostgreSQL's JSONB codec; ``_sqlite_json``:
+# SQLite's result processor) must give what ``json.loads`` gives, value for value and error for error.
+_JSON_TEXTS = [
+    '{"a":1,"b":[true,false,null],"c":"x"}',
+    " \t[1, 2]\n",  # surrounding whitespace
+    "18446744073709551616",  # beyond 64 bits: an exact int
+    "[-9223372036854775809, 123456789012345678901234567890]",
+    "[5e-324, 1.7976931348623157e308, 0.1, 1E+2, -0.0]",
+    "[0.1000000000000000055511151231257827021181583404541015625]",  # a long decimal expansion
+    "[1.5e999, NaN, -Infinity]",  # what json.loads accepts beyond the standard
+    '{"a":1,"a":2}',  # duplicate keys: the last one
+    '"\\ud83d\\ude00 \\u00e9 \\u0000"',  # escapes, a surrogate pair
+    '"\\ud800"',  # a lone surrogate: the fast parser refuses it, json.loads reads it
+    "[1,]",
+    "nan",
+    "",
+    '{"a":1}{"b":2}',
+    "[" * 3000 + "]" * 3000,  # deeper than either parser goes
+]
+
+
+def _outcome(call: Any, text: Any) -> tuple[str, Any]:
+    try:
+        return "value", repr(call(text))
+    except Exception as exc:  # noqa: BLE001 - the error is what is compared
+        return "error", (type(exc), str(exc))
+
+
+def _sqlite_json_processor() -> Any:
+    """The store's result processor of a JSON column on SQLite (the fast path before SQLAlchemy's)."""
+    from sqlalchemy.dialects import sqlite
+
+    dialect = sqlite.dialect()
+    return fastexec._sqlite_json(s.JsonValue().dialect_impl(dialect).result_processor(dialect, None))
+
+
+@pytest.mark.parametrize("text", _JSON_TEXTS, ids=range(len(_JSON_TEXTS)))
+def test_json_reads_decode_as_json_loads(text: str) -> None:
+    expected = _outcome(json.loads, text)
+    assert _outcome(fastexec.loads_json, text) == expected
+    processor = _sqlite_json_processor()
+    assert _outcome(processor, text) == expected
+
+
+def test_the_sqlite_json_processor_passes_numbers_through() -> None:
+    """SQLite hands a JSON column holding a bare number over as a number: SQLAlchemy's processor
+    passes it through, and so does the fast path in front of it."""
+    processor = _sqlite_json_processor()
+    assert processor(5) == 5 and processor(2.5) == 2.5
 
 
 def _deep_state(model: Any) -> Any:
