@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import operator
 import threading
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
@@ -97,15 +98,32 @@ def construct(cls: type[M], values: dict[str, Any]) -> M:
     return _constructor(cls)(values)  # type: ignore[no-any-return]
 
 
-def adopt(cls: type[M], values: dict[str, Any]) -> M:
+def adopter(cls: type[M]) -> Callable[[dict[str, Any]], M]:
     """``construct(cls, values)`` for a dict that nothing else holds (a decoded JSON column): when
     its keys are the model's fields in their order (what the store wrote), the dict itself becomes
-    the model's ``__dict__`` instead of a copy."""
+    the model's ``__dict__`` instead of a copy.  One function per class with its checks worked out
+    here (``_bare`` inlined): span read-back adopts three or four dicts per span."""
     constructor = _constructor(cls)
-    if constructor.fast and len(values) == len(constructor.names) and tuple(values) == constructor.names:
-        extra = constructor.empty_extra()
-        return _bare(cls, values, constructor.name_set, extra)  # type: ignore[no-any-return]
-    return constructor(values)  # type: ignore[no-any-return]
+    if not constructor.fast:
+        return constructor  # type: ignore[return-value]
+    names, name_set, count, allow_extra = (
+        constructor.names,
+        constructor.name_set,
+        len(constructor.names),
+        constructor.allow_extra,
+    )
+
+    def adopt(values: dict[str, Any]) -> M:
+        if len(values) == count and tuple(values) == names:
+            obj = _new(cls)
+            _set_dict(obj, "__dict__", values)
+            _set_fields_set(obj, set(name_set))
+            _set_extra(obj, {} if allow_extra else None)
+            _set_private(obj, None)
+            return obj  # type: ignore[no-any-return]
+        return constructor(values)  # type: ignore[no-any-return]
+
+    return adopt
 
 
 _new = object.__new__
@@ -395,6 +413,7 @@ _span_columns = operator.attrgetter(
 _SPAN_EXTRA_FIELDS = frozenset(("status", "context", "parent"))
 _SPAN_FAST = _constructor(Span).fast and Span.model_config.get("extra") == "allow"
 _SPAN_NAMES = frozenset(_SPAN_FIELDS)
+_adopt_status, _adopt_context, _adopt_resource = adopter(TraceStatus), adopter(SpanContext), adopter(OtelResource)
 
 
 def span_from_row(row: Row[Any] | Any) -> Span:
@@ -420,15 +439,15 @@ def span_from_row(row: Row[Any] | Any) -> Span:
         "span_id": sid,
         "parent_id": pid,
         "name": name,
-        "status": adopt(TraceStatus, extra["status"]),
+        "status": _adopt_status(extra["status"]),
         "attributes": attributes if attributes is not None else {},
         "events": [construct(Event, event) for event in events] if events else [],
         "links": [_link(link) for link in links] if links else [],
         "start_time": start,
         "end_time": end,
-        "context": None if context is None else adopt(SpanContext, context),
-        "parent": None if parent is None else adopt(SpanContext, parent),
-        "resource": adopt(OtelResource, resource),
+        "context": None if context is None else _adopt_context(context),
+        "parent": None if parent is None else _adopt_context(parent),
+        "resource": _adopt_resource(resource),
     }
     more = {k: v for k, v in extra.items() if k not in _SPAN_EXTRA_FIELDS} if len(extra) > 3 else {}
     return _bare(Span, data, _SPAN_NAMES, more)  # type: ignore[no-any-return]
