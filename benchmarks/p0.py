@@ -1,13 +1,20 @@
-"""P0: the physical limit of this machine for a claim, re-measured in every run.
+"""P0: the physical limit of this machine, re-measured in every run, for a claim (W4) and for a
+span read-back (W6).
 
-The statements a store claim issues (pick the lowest queued row, mark it ``preparing`` and return
-it, insert its attempt, upsert the worker), run through the raw driver on the store's own tables
-and indexes:
+Claim: the statements a store claim issues (pick the lowest queued row, mark it ``preparing`` and
+return it, insert its attempt, upsert the worker), run through the raw driver on the store's own
+tables and indexes:
 
 * PostgreSQL: an asyncpg loop on 8 connections, one transaction per claim, ``FOR UPDATE SKIP LOCKED``;
 * SQLite: the stdlib ``sqlite3`` driver doing the same in one writer thread, ``BEGIN IMMEDIATE``.
 
-The queue is filled through the store (not timed), so the rows, indexes and JSON are identical.
+Read-back: the SELECT of ``query_spans(rid, "latest")`` (a rollout's spans of its latest attempt,
+in ``sequence_id`` order) through the raw driver, one rollout after the other as W6 calls it, with
+the five JSON columns decoded by the parser the store uses and no models built: asyncpg on one
+connection (a prepared statement; JSONB arrives as text), ``sqlite3`` in the calling thread.
+
+The queue and the spans are written through the store (not timed), so the rows, indexes and JSON
+are identical.
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ import threading
 import time
 import uuid
 from typing import Any
+
+from pydantic_core import from_json
 
 P0_PG_CONNECTIONS = 8
 
@@ -64,6 +73,60 @@ SQLITE_WORKER = (
     "current_rollout_id = excluded.current_rollout_id, current_attempt_id = excluded.current_attempt_id, "
     "last_dequeue_time = excluded.last_dequeue_time"
 )
+
+
+PG_READBACK = (
+    "SELECT rollout_id, attempt_id, sequence_id, trace_id, span_id, parent_id, name, status_code, "
+    "start_time, end_time, attributes, events, links, resource, extra "
+    "FROM spans WHERE run_id = $1 AND rollout_id = $2 AND attempt_id = "
+    "(SELECT attempt_id FROM attempts WHERE run_id = $1 AND rollout_id = $2 ORDER BY sequence_id DESC LIMIT 1) "
+    "ORDER BY sequence_id"
+)
+SQLITE_READBACK = PG_READBACK.replace("$1", "?1").replace("$2", "?2")
+SPAN_SEQUENCE_COLUMN = 2
+SPAN_JSON_COLUMNS = range(10, 15)  # attributes .. extra
+
+
+def _decoded(rows: Any) -> list[int]:
+    """Decode a read-back's JSON columns (as a caller of the raw driver must to use them); the
+    rows' sequence ids, for the checks."""
+    for row in rows:
+        for index in SPAN_JSON_COLUMNS:
+            value = row[index]
+            if value is not None:
+                from_json(value)
+    return [row[SPAN_SEQUENCE_COLUMN] for row in rows]
+
+
+async def pg_readback_loop(dsn: str, schema: str, run_id: int, rollout_ids: list[str]) -> dict[str, Any]:
+    """Read back each rollout's latest spans, one after the other, on one asyncpg connection."""
+    import asyncpg
+
+    conn = await asyncpg.connect(dsn, server_settings={"search_path": schema})
+    try:
+        statement = await conn.prepare(PG_READBACK)
+        sequences: dict[str, list[int]] = {}
+        started = time.perf_counter()
+        for rid in rollout_ids:
+            sequences[rid] = _decoded(await statement.fetch(run_id, rid))
+        elapsed = time.perf_counter() - started
+    finally:
+        await conn.close()
+    return {"sequences": sequences, "elapsed": elapsed}
+
+
+def sqlite_readback_loop(path: str, run_id: int, rollout_ids: list[str]) -> dict[str, Any]:
+    """Read back each rollout's latest spans, one after the other, in the calling thread."""
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    try:
+        sequences: dict[str, list[int]] = {}
+        started = time.perf_counter()
+        for rid in rollout_ids:
+            sequences[rid] = _decoded(conn.execute(SQLITE_READBACK, (run_id, rid)).fetchall())
+        elapsed = time.perf_counter() - started
+    finally:
+        conn.close()
+    return {"sequences": sequences, "elapsed": elapsed}
 
 
 def _attempt_id() -> str:

@@ -19,7 +19,7 @@ from typing import Any
 import psutil
 
 from benchmarks import targets as tg
-from benchmarks.workloads import SIZES, Case, Measurement, RssSampler, Size, cases, median, p0_claims, scaled
+from benchmarks.workloads import SIZES, Case, Measurement, RssSampler, Size, cases, median, scaled
 
 # (workload, case label prefix, target, reference) -> (comparison, goal)
 GOALS: dict[tuple[str, str, str, str], tuple[str, float]] = {
@@ -166,7 +166,9 @@ async def _run_one_settled(case: Case, target_name: str, size: Size, workdir: st
     async with tg.open_target(open_name, workdir) as target:
         with RssSampler() as rss:
             if target_name.startswith("P0-"):
-                m = await p0_claims(target, size)
+                if case.p0 is None:
+                    raise ValueError(f"{case.workload} {case.label} has no P0 run")
+                m = await case.p0(target, size)
             else:
                 m = await case.run(target, size)
     m.metrics["peak_rss_mb"] = rss.peak_mb

@@ -183,7 +183,10 @@ def check_claims(claimed: list[str], expected: int, what: str) -> list[str]:
 
 
 def check_span_order(spans: Any, expected: int, rollout_id: str) -> str | None:
-    seqs = [sp.sequence_id for sp in spans]
+    return check_sequence_ids([sp.sequence_id for sp in spans], expected, rollout_id)
+
+
+def check_sequence_ids(seqs: list[int], expected: int, rollout_id: str) -> str | None:
     if len(seqs) != expected:
         return f"query_spans({rollout_id}) returned {len(seqs)} spans, expected {expected}"
     if seqs != sorted(seqs):
@@ -476,8 +479,9 @@ async def ingest_single(target: Target, size: Size, *, rollouts: int = 10) -> Me
 # --- W6: readback -----------------------------------------------------------------------------
 
 
-async def readback_spans(target: Target, size: Size) -> Measurement:
-    """``query_spans(rid, "latest")`` for every rollout of a run with 10 spans per rollout."""
+async def _readback_setup(target: Target, size: Size) -> tuple[list[str], list[str]]:
+    """A run of ``size.readback_rollouts`` claimed rollouts with their spans, written through the
+    store: the rollout ids, and the problems of the set-up."""
     n, s = size.readback_rollouts, size.spans_per_rollout
     await fill_queue(target, n)
     factory = SpanFactory(target.span_cls, size.heavy)
@@ -489,7 +493,18 @@ async def readback_spans(target: Target, size: Size) -> Measurement:
         spans = [factory.make(ar.rollout_id, ar.attempt.attempt_id, k + 1) for ar in batch for k in range(s)]
         await target.store.add_many_spans(spans)
         ids.extend(ar.rollout_id for ar in batch)
-    problems: list[str] = []
+    problems = [] if len(ids) == n else [f"readback: {len(ids)} rollouts set up, expected {n}"]
+    return ids, problems
+
+
+def _readback_measurement(count: int, spans_each: int, elapsed: float, problems: list[str]) -> Measurement:
+    return Measurement({"rollouts/s": count / elapsed, "spans/s": count * spans_each / elapsed}, problems)
+
+
+async def readback_spans(target: Target, size: Size) -> Measurement:
+    """``query_spans(rid, "latest")`` for every rollout of a run with 10 spans per rollout."""
+    ids, problems = await _readback_setup(target, size)
+    s = size.spans_per_rollout
     started = time.perf_counter()
     for rid in ids:
         spans = await target.store.query_spans(rid, "latest")
@@ -497,9 +512,25 @@ async def readback_spans(target: Target, size: Size) -> Measurement:
         if problem and len(problems) < 5:
             problems.append(problem)
     elapsed = time.perf_counter() - started
-    if len(ids) != n:
-        problems.append(f"readback: {len(ids)} rollouts set up, expected {n}")
-    return Measurement({"rollouts/s": len(ids) / elapsed, "spans/s": len(ids) * s / elapsed}, problems)
+    return _readback_measurement(len(ids), s, elapsed, problems)
+
+
+async def p0_readback(target: Target, size: Size) -> Measurement:
+    """P0 of ``readback_spans`` on the target's own database: the raw driver running the same SELECT
+    and decoding the JSON columns, no models (``p0.pg_readback_loop`` / ``p0.sqlite_readback_loop``)."""
+    ids, problems = await _readback_setup(target, size)
+    run_id = await p0.run_id_of(target)
+    if target.name == "postgres":
+        from benchmarks.targets import pg_dsn
+
+        result = await p0.pg_readback_loop(pg_dsn(), target.extra["schema"], run_id, ids)
+    else:
+        result = p0.sqlite_readback_loop(target.extra["path"], run_id, ids)  # in this thread, as inline reads
+    for rid in ids:
+        problem = check_sequence_ids(result["sequences"][rid], size.spans_per_rollout, rid)
+        if problem and len(problems) < 5:
+            problems.append(problem)
+    return _readback_measurement(len(ids), size.spans_per_rollout, result["elapsed"], problems)
 
 
 async def query_rollouts_status(target: Target, size: Size, *, matching: int = 200) -> Measurement:
@@ -655,6 +686,8 @@ class Case:
     references: tuple[str, ...] = ("B1",)
     # False: the workload opens its stores itself (in child processes); it gets an unopened Target.
     opens_store: bool = True
+    # What the P0-sqlite / P0-postgres targets of the case run: the raw driver's version of ``run``.
+    p0: Callable[[Target, Size], Awaitable[Measurement]] | None = None
 
 
 SQL = ("sqlite", "postgres")
@@ -687,6 +720,7 @@ def cases(size: Size) -> dict[str, list[Case]]:
                 bind(dequeue_contention, claimers=r),
                 (*SQL, "B1", "P0-sqlite", "P0-postgres") if r == size.dequeue_claimers[0] else (*SQL, "B1"),
                 ("P0", "B1") if r == size.dequeue_claimers[0] else ("B1",),
+                p0=p0_claims,
             )
             for r in size.dequeue_claimers
         ],
@@ -696,7 +730,14 @@ def cases(size: Size) -> dict[str, list[Case]]:
             Case("W5", f"add_span x{size.ingest_spans}", ingest_single, (*SQL, "B1")),
         ],
         "W6": [
-            Case("W6", f"query_spans x{size.readback_rollouts}", readback_spans, (*SQL, "B1")),
+            Case(
+                "W6",
+                f"query_spans x{size.readback_rollouts}",
+                readback_spans,
+                (*SQL, "B1", "P0-sqlite", "P0-postgres"),
+                ("B1", "P0"),
+                p0=p0_readback,
+            ),
             Case("W6", f"query_rollouts(status_in) over {size.query_rollouts_n}", query_rollouts_status, (*SQL, "B1")),
         ],
         "W7": [

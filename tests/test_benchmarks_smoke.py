@@ -7,11 +7,22 @@ import tempfile
 
 import pytest
 
+from benchmarks import p0
 from benchmarks import targets as tg
 from benchmarks.runner import CaseResult, format_case, run_benchmarks
-from benchmarks.workloads import SIZES, Case, Measurement, dequeue_contention, lifecycle, p0_claims
+from benchmarks.workloads import (
+    SIZES,
+    Case,
+    Measurement,
+    check_sequence_ids,
+    dequeue_contention,
+    lifecycle,
+    p0_claims,
+    p0_readback,
+    readback_spans,
+)
 
-TINY = dataclasses.replace(SIZES["small"], lifecycle_n=20, spans_per_rollout=3, dequeue_n=40)
+TINY = dataclasses.replace(SIZES["small"], lifecycle_n=20, spans_per_rollout=3, dequeue_n=40, readback_rollouts=12)
 
 
 async def test_lifecycle_workload_runs_and_checks_on_sqlite() -> None:
@@ -33,6 +44,32 @@ async def test_dequeue_workload_and_p0_agree_on_what_was_claimed() -> None:
         assert m.problems == []
         assert m.metrics["duplicates"] == 0
         assert m.metrics["claims/s"] > 0
+
+
+async def test_readback_workload_and_p0_read_the_same_spans() -> None:
+    """W6's P0 (the raw driver's SELECT) returns, rollout by rollout, the sequence ids that
+    ``query_spans(rid, "latest")`` returns, and both runs pass their checks."""
+    with tempfile.TemporaryDirectory() as workdir:
+        async with tg.open_target("sqlite", workdir) as target:
+            store_run = await readback_spans(target, TINY)
+        async with tg.open_target("sqlite", workdir) as target:
+            raw_run = await p0_readback(target, TINY)
+            rollouts = await target.store.query_rollouts()
+            ids = [r.rollout_id for r in rollouts]
+            raw = p0.sqlite_readback_loop(target.extra["path"], await p0.run_id_of(target), ids)
+            for rid in ids:
+                spans = await target.store.query_spans(rid, "latest")
+                assert raw["sequences"][rid] == [sp.sequence_id for sp in spans] == [1, 2, 3]
+    assert len(ids) == TINY.readback_rollouts
+    for m in (store_run, raw_run):
+        assert m.problems == []
+        assert m.metrics["rollouts/s"] > 0
+
+
+def test_sequence_checks_report_missing_and_unordered_spans() -> None:
+    assert check_sequence_ids([1, 2, 3], 3, "ro-1") is None
+    assert "returned 2 spans, expected 3" in (check_sequence_ids([1, 2], 3, "ro-1") or "")
+    assert "not in sequence_id order" in (check_sequence_ids([2, 1, 3], 3, "ro-1") or "")
 
 
 async def test_checks_catch_a_store_that_double_claims() -> None:
