@@ -93,6 +93,19 @@ def test_construct_builds_what_model_construct_builds(cls: type[Any], values: di
     assert "x" not in construct(cls, values).__pydantic_fields_set__
 
 
+@pytest.mark.parametrize(("cls", "values"), CONSTRUCT_CASES, ids=lambda v: getattr(v, "__name__", ""))
+def test_adopting_a_decoded_dict_builds_what_model_construct_builds(cls: type[Any], values: dict[str, Any]) -> None:
+    """``rows.adopter``: the fields in their order, in another order (PostgreSQL's JSONB sorts keys),
+    with one missing or with an extra: the model that ``model_construct`` builds, fields in
+    definition order."""
+    for ordered in (values, dict(reversed(list(values.items())))):
+        expected = cls.model_construct(**ordered)
+        built = rows_module.adopter(cls)(dict(ordered))
+        assert type(built) is cls
+        assert _state(built) == _state(expected)
+        assert list(built.__dict__) == [name for name in cls.model_fields if name in built.__dict__]
+
+
 def test_construct_of_a_span_with_extras_equals_validation() -> None:
     span = make_span("r", "a", 1, vendor_field={"x": 1})
     values = {**span.__dict__, **(span.model_extra or {})}

@@ -101,8 +101,10 @@ def construct(cls: type[M], values: dict[str, Any]) -> M:
 def adopter(cls: type[M]) -> Callable[[dict[str, Any]], M]:
     """``construct(cls, values)`` for a dict that nothing else holds (a decoded JSON column): when
     its keys are the model's fields in their order (what the store wrote), the dict itself becomes
-    the model's ``__dict__`` instead of a copy.  One function per class with its checks worked out
-    here (``_bare`` inlined): span read-back adopts three or four dicts per span."""
+    the model's ``__dict__`` instead of a copy; when they are the fields in another order (JSONB
+    keeps keys sorted by length, then bytes), a copy in field order does.  One function per class
+    with its checks worked out here (``_bare`` inlined): span read-back adopts three or four dicts
+    per span."""
     constructor = _constructor(cls)
     if not constructor.fast:
         return constructor  # type: ignore[return-value]
@@ -114,7 +116,11 @@ def adopter(cls: type[M]) -> Callable[[dict[str, Any]], M]:
     )
 
     def adopt(values: dict[str, Any]) -> M:
-        if len(values) == count and tuple(values) == names:
+        if len(values) == count:
+            if tuple(values) != names:
+                if not values.keys() <= name_set:
+                    return constructor(values)  # type: ignore[no-any-return]
+                values = {name: values[name] for name in names}
             obj = _new(cls)
             _set_dict(obj, "__dict__", values)
             _set_fields_set(obj, set(name_set))
