@@ -1,5 +1,6 @@
 """Concurrent calls as one call (``engine.BatchUnit``; ADR 0005 decision 7): claims
-(``rollouts.claim_batch``) and sequence-id reservations (``spans.reserve_sequence_ids_batch``).
+(``rollouts.claim_batch``), sequence-id reservations (``spans.reserve_sequence_ids_batch``) and
+span adds of one attempt each (``spans.add_spans_batch``).
 
 The calls of one kind that one event loop issues in the same turn run as ONE unit (the SQLite
 writer's group commit; on the I/O loop of PostgreSQL and aiosqlite, one transaction): one claim of
@@ -21,6 +22,7 @@ import pytest
 from lightning_sql.store.sql import rollouts as ro
 from lightning_sql.types import EnqueueRolloutRequest
 from tests.contract.test_group_commit import held, queued
+from tests.contract.test_spans import DUP, make_span
 
 SQLITE = pytest.mark.parametrize("backend", ["sqlite_file", "sqlite_memory"], indirect=True)
 
@@ -231,6 +233,119 @@ async def test_a_sequence_id_batch_finds_its_rollouts_by_key(store_factory: Any)
     touching = [line for line in details if " rollouts " in f" {line} " or line.endswith(" rollouts")]
     assert touching and all("(run_id=? AND rollout_id=?)" in line for line in touching), details
     assert not any(line.startswith("SCAN rollouts") for line in details), details
+
+
+# --- spans ------------------------------------------------------------------------------------
+
+
+async def _span_calls(store: Any) -> tuple[list[str], list[Any]]:
+    """Four rollouts (the last with a second attempt, so that spans of its first do not promote
+    it) and the span adds of ``_SPAN_CALLS`` as coroutine factories: (rollout ids, calls)."""
+    started = [await store.start_rollout({"i": i}) for i in range(4)]
+    ids = [ar.rollout_id for ar in started]
+    aids = [ar.attempt.attempt_id for ar in started]
+    await store.start_attempt(ids[3])
+
+    def span(r: int, seq: int, sid: str) -> Any:
+        return make_span(ids[r], aids[r], seq, span_id=sid, trace_id=f"{r:032x}", attributes={"r": r})
+
+    calls = [
+        lambda: store.add_span(span(0, 1, "a1")),
+        lambda: store.add_many_spans([span(1, 1, "b1"), span(1, 2, "b2"), span(1, 3, "b1")]),  # repeat in the call
+        lambda: store.add_span(span(0, 2, "a1")),  # the key of the first call: a duplicate
+        lambda: store.add_span(span(2, 7, "c7")),  # moves the counter to 7
+        lambda: store.add_span(span(3, 1, "d1")),  # the rollout's earlier attempt
+        lambda: store.add_many_spans([span(0, 3, "a3")]),
+    ]
+    return ids, calls
+
+
+def _span_ids(result: Any) -> Any:
+    if result is None:
+        return None
+    if isinstance(result, (list, tuple)):
+        return [sp.span_id for sp in result]
+    return result.span_id
+
+
+async def _span_state(store: Any, ids: list[str]) -> list[Any]:
+    """What the calls leave behind, rollout by rollout: its status, its attempts' statuses and
+    heartbeats, its spans (attempt number, sequence id, span id) and its next sequence id."""
+    state = []
+    for rid in ids:
+        rollout = await store.get_rollout_by_id(rid)
+        attempts = await store.query_attempts(rid)
+        number = {a.attempt_id: a.sequence_id for a in attempts}
+        spans = await store.query_spans(rid, None)
+        latest = attempts[-1].attempt_id
+        state.append(
+            (
+                rollout.status,
+                [(a.status, a.last_heartbeat_time) for a in attempts],
+                [(number[sp.attempt_id], sp.sequence_id, sp.span_id) for sp in spans],
+                await store.get_next_span_sequence_id(rid, latest),
+            )
+        )
+    return state
+
+
+async def test_concurrent_span_adds_are_one_batch_with_what_calls_in_order_get(
+    store_factory: Any, clock: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Span adds of one attempt each, issued in the same loop turn: one batch (on PostgreSQL one
+    statement), and each call returns, and leaves behind, what it does with the calls awaited one
+    after the other: its spans, a key repeated in a call or across calls skipped (and logged) after
+    its first, the counters moved, the latest attempts' rollouts promoted, the attempts heartbeaten."""
+    start = clock()
+    batched = store_factory(run="batched", scan_debounce_seconds=3600)
+    ids, calls = await _span_calls(batched)
+    clock.set(start + 10.0)
+    before = _batched(batched)
+    caplog.clear()
+    got = await asyncio.gather(*(call() for call in calls))
+    assert _batched(batched) - before == len(calls)  # all six ran as one
+    expected = ["a1", ["b1", "b2"], None, "c7", "d1", ["a3"]]
+    assert [_span_ids(result) for result in got] == expected
+    duplicates = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Duplicated span")]
+    assert len(duplicates) == 2 and DUP.format(rid=ids[0], aid=got[0].attempt_id, sid="a1") in duplicates
+
+    clock.set(start)  # the same times as the batched store's
+    sequential = store_factory(run="sequential", scan_debounce_seconds=3600)
+    seq_ids, seq_calls = await _span_calls(sequential)
+    clock.set(start + 10.0)
+    in_order = [await call() for call in seq_calls]
+    assert [_span_ids(result) for result in in_order] == expected
+    state = await _span_state(batched, ids)
+    assert state == await _span_state(sequential, seq_ids)
+    # What that state is (the sequential store agrees above):
+    assert [status for status, *_ in state] == ["running", "running", "running", "preparing"]
+    assert state[0][2] == [(1, 1, "a1"), (1, 3, "a3")] and state[0][3] == 4
+    assert state[2][2] == [(1, 7, "c7")] and state[2][3] == 8
+    assert state[3][2] == [(1, 1, "d1")] and state[3][1][0][1] == clock() and state[3][1][1][0] != "running"
+
+
+async def test_a_span_batch_with_a_missing_rollout_or_attempt_fails_those_calls_only(
+    store_factory: Any,
+) -> None:
+    """An unknown rollout or attempt fails the batch, which wrote nothing; its calls then run alone
+    and only the faulty ones fail, with the errors of a call alone."""
+    store = store_factory(scan_debounce_seconds=3600)
+    first, second = [await store.start_rollout({"i": i}) for i in range(2)]
+    rid, aid = first.rollout_id, first.attempt.attempt_id
+    calls = [
+        store.add_span(make_span(rid, aid, 1, span_id="s1")),
+        store.add_span(make_span("ro-missing", aid, 1)),
+        store.add_many_spans([make_span(second.rollout_id, "at-missing", 1)]),
+        store.add_span(make_span(second.rollout_id, second.attempt.attempt_id, 1, span_id="s2")),
+    ]
+    got = await asyncio.gather(*calls, return_exceptions=True)
+    assert _span_ids(got[0]) == "s1" and _span_ids(got[3]) == "s2"
+    assert isinstance(got[1], ValueError) and str(got[1]) == "Rollout ro-missing not found"
+    assert isinstance(got[2], ValueError)
+    assert str(got[2]) == f"Attempt at-missing not found for rollout {second.rollout_id}"
+    assert _batched(store) == 0  # the batch failed; its calls ran alone
+    assert [sp.span_id for sp in await store.query_spans(rid, None)] == ["s1"]
+    assert [sp.span_id for sp in await store.query_spans(second.rollout_id, None)] == ["s2"]
 
 
 class _AbandoningLoop(asyncio.SelectorEventLoop):

@@ -12,7 +12,7 @@ Guarantees:
 * the pre-ping is one round trip, also before a write unit (not BEGIN + ping + ROLLBACK);
 * a write unit is one transaction: BEGIN, its statements, its notifications in one statement, COMMIT;
   except the claim, a one-rollout sequence-id reservation and spans of one attempt, which are
-  one statement each without BEGIN/COMMIT; ``update_attempt`` is BEGIN, one statement locking its
+  one statement each without BEGIN/COMMIT (concurrent span adds of one attempt each: one for all); ``update_attempt`` is BEGIN, one statement locking its
   rows, one writing them (with the notification), COMMIT;
 * the invariant checker still reads in one REPEATABLE READ READ ONLY transaction.
 """
@@ -402,6 +402,30 @@ async def test_spans_of_one_attempt_are_one_statement(wire: tuple[WireCounter, s
         assert [q.split()[0] for q in seen.queries] == ["BEGIN", "COMMIT;"], seen.queries
         rollout = await store.get_rollout_by_id(second.rollout_id)
         assert rollout is not None and rollout.status == "running"
+    finally:
+        await store.close()
+
+
+async def test_concurrent_spans_of_several_attempts_are_one_statement(wire: tuple[WireCounter, str, str]) -> None:
+    """Span adds of one attempt each issued in the same loop turn (runners streaming spans): ONE
+    statement for them all, no BEGIN or COMMIT (``spans.add_spans_batch``)."""
+    counter, url, schema = wire
+    store = _open(url, schema)
+    try:
+        await store.enqueue_many_rollouts([EnqueueRolloutRequest(input={"i": i}) for i in range(8)])
+        claimed = [await store.dequeue_rollout(worker_id=f"w{i}") for i in range(8)]
+        pairs = [(ar.rollout_id, ar.attempt.attempt_id) for ar in claimed if ar is not None]
+        assert len(pairs) == 8
+        for seq in (1, 2):  # warm: the connection prepares the statement
+            await asyncio.gather(*(store.add_span(make_span(rid, aid, seq)) for rid, aid in pairs))
+        mark = counter.mark()
+        added = await asyncio.gather(*(store.add_span(make_span(rid, aid, 3)) for rid, aid in pairs))
+        seen = counter.since(mark)
+        assert all(span is not None for span in added)
+        assert seen.queries == [] and seen.parses == [], seen
+        assert seen.ready == 1 and len(seen.statements) == 1, seen
+        for rid, aid in pairs:
+            assert [sp.sequence_id for sp in await store.query_spans(rid, aid)] == [1, 2, 3]
     finally:
         await store.close()
 

@@ -27,6 +27,7 @@ from sqlalchemy import (
     or_,
     select,
     true,
+    tuple_,
     update,
 )
 from sqlalchemy import (
@@ -448,6 +449,169 @@ def _span_ingest_statement() -> Any:
             found_attempt.label("attempt_found"),
             select(array_agg(inserted.c.span_id)).scalar_subquery().label("inserted"),
         )
+        .add_cte(heartbeat)
+        .add_cte(counters)
+    )
+
+
+def add_spans_of_many_attempts_in_one_statement(
+    ctx: UnitContext, run_id: int, now: float, rows: Sequence[dict[str, Any]]
+) -> tuple[bool, set[tuple[str, str, str]]]:
+    """PostgreSQL: ``add_spans_in_one_statement`` for spans of SEVERAL (rollout, attempt) groups
+    (distinct span keys), in one round trip, all or nothing: the rollout rows are locked in
+    ``rollout_id`` order, then the attempt rows in (rollout, attempt) order (contract §2.17), and
+    only when every rollout and every attempt exists are the spans inserted (duplicates skipped),
+    the attempts that got spans heartbeaten and the rollouts' span counters bumped / promoted, as
+    the groups' statements run one after the other would (the heartbeat at ``now``).  Returns
+    (every group found, the (rollout, attempt, span) keys inserted); nothing changed unless the
+    first is true.
+    """
+    assert ingests_spans_in_one_statement(ctx)
+    stmt = cached("span_ingest_many_attempts", _span_ingest_many_statement)
+    groups = list(dict.fromkeys((row["rollout_id"], row["attempt_id"]) for row in rows))
+    params: dict[str, Any] = {
+        "sm_run_id": run_id,
+        "sm_now": now,
+        "sm_group_rollout_ids": [rid for rid, _aid in groups],
+        "sm_group_attempt_ids": [aid for _rid, aid in groups],
+        "sm_rollouts": len({rid for rid, _aid in groups}),
+        "sm_groups": len(groups),
+        "sm_rollout_id": [row["rollout_id"] for row in rows],
+        "sm_attempt_id": [row["attempt_id"] for row in rows],
+    }
+    for name, _type in _SPAN_ARRAY_COLUMNS:
+        params[f"sm_{name}"] = [row[name] for row in rows]
+    result = ctx.execute(stmt, params).all()  # one row per span inserted, or one of NULLs
+    if not result[0].found:
+        return False, set()
+    return True, {(r.rollout_id, r.attempt_id, r.span_id) for r in result if r.span_id is not None}
+
+
+def _span_ingest_many_statement() -> Any:
+    R, A, S = s.rollouts, s.attempts, s.spans
+    run_id = bindparam("sm_run_id", type_=Integer)
+    now = bindparam("sm_now", type_=Float(precision=53))
+    wanted = (
+        select(
+            func.unnest(
+                bindparam("sm_group_rollout_ids", type_=ARRAY(Text)),
+                bindparam("sm_group_attempt_ids", type_=ARRAY(Text)),
+            )
+            .table_valued("rollout_id", "attempt_id")
+            .render_derived(name="pairs")
+        )
+        .cte("wanted")
+    )
+    # Each row is locked through its key, in lock order: a LATERAL look-up per wanted row (its LIMIT
+    # keeps the planner from turning it into a join, which on a table without statistics it plans
+    # as a scan of the run's rows).
+    rollout_ids = select(wanted.c.rollout_id).distinct().order_by(wanted.c.rollout_id).subquery("rollout_ids")
+    rollout = (
+        select(R.c.rollout_id, R.c.attempt_count)
+        .where(R.c.run_id == run_id, R.c.rollout_id == rollout_ids.c.rollout_id)
+        .limit(1)
+        .with_for_update()
+        .lateral("rollout")
+    )
+    locked_rollouts = (
+        select(rollout.c.rollout_id, rollout.c.attempt_count)
+        .select_from(rollout_ids.join(rollout, true()))
+        .cte("locked_rollouts")
+    )
+    rollouts_found = select(func.count()).select_from(locked_rollouts).scalar_subquery() == bindparam(
+        "sm_rollouts", type_=Integer
+    )
+    pairs = (
+        select(wanted.c.rollout_id, wanted.c.attempt_id)
+        .where(rollouts_found)  # the rollout rows are locked first (and all exist)
+        .order_by(wanted.c.rollout_id, wanted.c.attempt_id)
+        .subquery("pairs")
+    )
+    attempt = (
+        select(A.c.rollout_id, A.c.attempt_id, A.c.sequence_id)
+        .where(A.c.run_id == run_id, A.c.rollout_id == pairs.c.rollout_id, A.c.attempt_id == pairs.c.attempt_id)
+        .limit(1)
+        .with_for_update()
+        .lateral("attempt")
+    )
+    locked_attempts = (
+        select(attempt.c.rollout_id, attempt.c.attempt_id, attempt.c.sequence_id)
+        .select_from(pairs.join(attempt, true()))
+        .cte("locked_attempts")
+    )
+    found = select(func.count()).select_from(locked_attempts).scalar_subquery() == bindparam(
+        "sm_groups", type_=Integer
+    )
+    columns = [("rollout_id", Text), ("attempt_id", Text), *_SPAN_ARRAY_COLUMNS]
+    given = (
+        select(
+            func.unnest(*(bindparam(f"sm_{name}", type_=ARRAY(type_)) for name, type_ in columns))
+            .table_valued(*(name for name, _ in columns))
+            .render_derived(name="given")
+        )
+        .cte("given")
+    )
+    values = [cast(given.c[name], JSONB) if name in _SPAN_JSON_COLUMNS else given.c[name] for name, _ in columns]
+    inserted = (
+        postgresql.insert(S)
+        .from_select(["run_id", *(name for name, _ in columns)], select(run_id, *values).where(found))
+        .on_conflict_do_nothing()
+        .returning(S.c.rollout_id, S.c.attempt_id, S.c.span_id)
+        .cte("inserted")
+    )
+    heartbeat = (
+        update(A)
+        .where(
+            A.c.run_id == run_id,
+            tuple_(A.c.rollout_id, A.c.attempt_id).in_(select(inserted.c.rollout_id, inserted.c.attempt_id)),
+        )
+        .values(
+            last_heartbeat_time=now,
+            status=case((_one_of(A.c.status, ("preparing", "unresponsive")), "running"), else_=A.c.status),
+        )
+        .returning(A.c.attempt_id)
+        .cte("heartbeat")
+    )
+    highest = (
+        select(given.c.rollout_id, func.max(given.c.sequence_id).label("highest"))
+        .group_by(given.c.rollout_id)
+        .subquery("highest")
+    )
+    # The latest attempt's spans promote a claimed or queued rollout (spans._heartbeat).
+    latest_got_spans = exists(
+        select(inserted.c.span_id)
+        .select_from(
+            inserted.join(
+                locked_attempts,
+                and_(
+                    locked_attempts.c.rollout_id == inserted.c.rollout_id,
+                    locked_attempts.c.attempt_id == inserted.c.attempt_id,
+                ),
+            )
+        )
+        .where(inserted.c.rollout_id == R.c.rollout_id, locked_attempts.c.sequence_id == R.c.attempt_count)
+    )
+    promote = and_(latest_got_spans, _one_of(R.c.status, _PROMOTED_STATUSES))
+    counters = (
+        update(R)
+        .where(
+            R.c.run_id == run_id,
+            R.c.rollout_id == highest.c.rollout_id,
+            found,
+            or_(R.c.span_seq < highest.c.highest, promote),
+        )
+        .values(
+            span_seq=func.greatest(R.c.span_seq, highest.c.highest),
+            status=case((promote, "running"), else_=R.c.status),
+            queue_seq=case((promote, None), else_=R.c.queue_seq),
+        )
+        .returning(R.c.rollout_id)
+        .cte("counters")
+    )
+    one = select(literal(1).label("one")).subquery("one")  # a row even when nothing was inserted
+    return (
+        select(found.label("found"), inserted.c.rollout_id, inserted.c.attempt_id, inserted.c.span_id)
+        .select_from(one.outerjoin(inserted, true()))
         .add_cte(heartbeat)
         .add_cte(counters)
     )

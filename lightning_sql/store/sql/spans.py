@@ -259,6 +259,48 @@ def add_spans(
     return inserted
 
 
+def add_spans_batch(
+    ctx: UnitContext, run_id: int, calls: Sequence[tuple[float, tuple[Sequence[Span], Sequence[dict[str, Any]]]]]
+) -> list[list[Span]]:
+    """``add_spans`` for several calls ``(now, (spans, rows))`` at once, the spans of each call of
+    one (rollout, attempt) (``one_group``): each call's inserted spans, what the calls run one after
+    the other in that order return (a span key repeated across calls is the first one's; the later
+    ones are duplicates).  On PostgreSQL ONE statement for them all
+    (``dialect.add_spans_of_many_attempts_in_one_statement``), atomic on its own; it changes nothing
+    when one of the rollouts or attempts is missing, and the batch then raises, so that its calls run
+    alone and only the faulty one fails.  Elsewhere the calls one after the other."""
+    for _now, (_spans, rows) in calls:
+        if rows[0]["run_id"] != run_id:
+            for row in rows:
+                row["run_id"] = run_id
+    if len(calls) == 1 or not d.ingests_spans_in_one_statement(ctx):
+        return [add_spans(ctx, run_id, now, spans, rows) for now, (spans, rows) in calls]
+    unique_rows: list[dict[str, Any]] = []
+    seen: set[tuple[str, str, str]] = set()
+    for _now, (spans, rows) in calls:
+        for span, row in zip(spans, rows, strict=True):
+            key = (span.rollout_id, span.attempt_id, span.span_id)
+            if key not in seen:
+                seen.add(key)
+                unique_rows.append(row)
+    now = max(now for now, _args in calls)
+    found, inserted_keys = d.add_spans_of_many_attempts_in_one_statement(ctx, run_id, now, unique_rows)
+    if not found:
+        raise ValueError("a rollout or attempt of the batch is missing: its calls run alone")
+    out: list[list[Span]] = []
+    for _now, (spans, _rows) in calls:
+        inserted: list[Span] = []
+        for span in spans:
+            key = (span.rollout_id, span.attempt_id, span.span_id)
+            if key in inserted_keys:
+                inserted_keys.discard(key)  # a later repeat of the key is a duplicate
+                inserted.append(span)
+            else:
+                _log_duplicate(span)
+        out.append(inserted)
+    return out
+
+
 def _lock_groups(
     ctx: UnitContext, run_id: int, groups: list[tuple[str, str]]
 ) -> tuple[dict[str, Any], dict[tuple[str, str], Any]]:

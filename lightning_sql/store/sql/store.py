@@ -545,6 +545,12 @@ class SqlLightningStore(StoreInstance, LightningStore):
         # Validate and encode before any I/O (bad input writes nothing and needs no database), on the
         # caller's thread: the I/O thread only stamps the run id.
         rows = [span_values(span, 0) for span in spans]
+        if not allocate and span_units.one_group(spans):
+            # Spans of one attempt are one statement on PostgreSQL, atomic alone; so are the spans of
+            # the calls issued with it in the same turn of the loop (the runners' add_span calls).
+            return await self._call_batchable(
+                method, span_units.add_spans_batch, (spans, rows), autocommit=True, atomic_batch=True
+            )
 
         def unit(ctx: UnitContext, run_id: int, now: float) -> list[Span]:
             if rows[0]["run_id"] != run_id:
@@ -552,9 +558,7 @@ class SqlLightningStore(StoreInstance, LightningStore):
                     row["run_id"] = run_id
             return span_units.add_spans(ctx, run_id, now, spans, rows, allocate=allocate)
 
-        # Spans of one attempt are one statement on PostgreSQL (span_units.add_spans), atomic alone.
-        one_statement = not allocate and span_units.one_group(spans)
-        return await self._call(method, unit, write=True, autocommit=one_statement)
+        return await self._call(method, unit, write=True)
 
     async def add_otel_span(
         self,
