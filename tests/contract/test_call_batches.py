@@ -348,6 +348,45 @@ async def test_a_span_batch_with_a_missing_rollout_or_attempt_fails_those_calls_
     assert [sp.span_id for sp in await store.query_spans(second.rollout_id, None)] == ["s2"]
 
 
+async def test_span_adds_past_the_batch_limit_start_another_batch(
+    store_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the I/O loop a batch of span adds holds ``BATCH_MAX_SPANS`` spans at most: the calls past
+    it form the next batch of the same turn (which PostgreSQL runs on another connection); SQLite's
+    writer, one connection anyway, keeps them in one batch.  Every call gets what it gets alone."""
+    from lightning_sql.store.sql import spans as span_units
+    from lightning_sql.store.sql.engine import AsyncLoopWorker
+
+    monkeypatch.setattr(span_units, "BATCH_MAX_SPANS", 4)
+    store = store_factory(scan_debounce_seconds=3600)
+    started = [await store.start_rollout({"i": i}) for i in range(5)]
+    pairs = [(ar.rollout_id, ar.attempt.attempt_id) for ar in started]
+
+    def spans(r: int, n: int) -> list[Any]:
+        return [make_span(*pairs[r], k + 1, span_id=f"s{r}-{k}") for k in range(n)]
+
+    # Spans per call 3, 1 | 3, 1 | 1: batches of 4, 4 and a call alone.
+    calls = [
+        store.add_many_spans(spans(0, 3)),
+        store.add_span(spans(1, 1)[0]),
+        store.add_many_spans(spans(2, 3)),
+        store.add_span(spans(3, 1)[0]),
+        store.add_span(spans(4, 1)[0]),
+    ]
+    got = await asyncio.gather(*calls)
+    assert [_span_ids(result) for result in got] == [
+        ["s0-0", "s0-1", "s0-2"],
+        "s1-0",
+        ["s2-0", "s2-1", "s2-2"],
+        "s3-0",
+        "s4-0",
+    ]
+    io_loop = isinstance(store._worker, AsyncLoopWorker)
+    assert _batched(store) == (4 if io_loop else 5)  # a call alone is not counted as batched
+    for r, (rid, aid) in enumerate(pairs):
+        assert [sp.span_id for sp in await store.query_spans(rid, aid)] == [f"s{r}-{k}" for k in range(3 if r in (0, 2) else 1)]
+
+
 class _AbandoningLoop(asyncio.SelectorEventLoop):
     """An event loop that never runs the store's flush callbacks (as if it closed before its next
     turn): it keeps them in ``abandoned`` instead."""

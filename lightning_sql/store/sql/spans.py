@@ -259,6 +259,11 @@ def add_spans(
     return inserted
 
 
+# The spans of one batch of span adds on the I/O loop (``BatchUnit.max_weight``): the calls of a
+# turn past it form another batch, which PostgreSQL runs beside the first on another connection.
+BATCH_MAX_SPANS = 64
+
+
 def add_spans_batch(
     ctx: UnitContext, run_id: int, calls: Sequence[tuple[float, tuple[Sequence[Span], Sequence[dict[str, Any]]]]]
 ) -> list[list[Span]]:

@@ -549,7 +549,13 @@ class SqlLightningStore(StoreInstance, LightningStore):
             # Spans of one attempt are one statement on PostgreSQL, atomic alone; so are the spans of
             # the calls issued with it in the same turn of the loop (the runners' add_span calls).
             return await self._call_batchable(
-                method, span_units.add_spans_batch, (spans, rows), autocommit=True, atomic_batch=True
+                method,
+                span_units.add_spans_batch,
+                (spans, rows),
+                autocommit=True,
+                atomic_batch=True,
+                weight=len(spans),
+                max_weight=span_units.BATCH_MAX_SPANS,
             )
 
         def unit(ctx: UnitContext, run_id: int, now: float) -> list[Span]:
