@@ -251,11 +251,12 @@ async def _span_calls(store: Any) -> tuple[list[str], list[Any]]:
 
     calls = [
         lambda: store.add_span(span(0, 1, "a1")),
-        lambda: store.add_many_spans([span(1, 1, "b1"), span(1, 2, "b2"), span(1, 3, "b1")]),  # repeat in the call
         lambda: store.add_span(span(0, 2, "a1")),  # the key of the first call: a duplicate
         lambda: store.add_span(span(2, 7, "c7")),  # moves the counter to 7
         lambda: store.add_span(span(3, 1, "d1")),  # the rollout's earlier attempt
         lambda: store.add_many_spans([span(0, 3, "a3")]),
+        # Several spans: one statement of its own, after the batch (a repeat in the call).
+        lambda: store.add_many_spans([span(1, 1, "b1"), span(1, 2, "b2"), span(1, 3, "b1")]),
     ]
     return ids, calls
 
@@ -292,10 +293,11 @@ async def _span_state(store: Any, ids: list[str]) -> list[Any]:
 async def test_concurrent_span_adds_are_one_batch_with_what_calls_in_order_get(
     store_factory: Any, clock: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Span adds of one attempt each, issued in the same loop turn: one batch (on PostgreSQL one
-    statement), and each call returns, and leaves behind, what it does with the calls awaited one
-    after the other: its spans, a key repeated in a call or across calls skipped (and logged) after
-    its first, the counters moved, the latest attempts' rollouts promoted, the attempts heartbeaten."""
+    """Adds of one span issued in the same loop turn: one batch (on PostgreSQL one statement), and
+    each call returns, and leaves behind, what it does with the calls awaited one after the other:
+    its span, a key repeated across calls skipped (and logged) after its first, the counters moved,
+    the latest attempts' rollouts promoted, the attempts heartbeaten.  A call of several spans runs
+    on its own, with the same outcome."""
     start = clock()
     batched = store_factory(run="batched", scan_debounce_seconds=3600)
     ids, calls = await _span_calls(batched)
@@ -303,8 +305,8 @@ async def test_concurrent_span_adds_are_one_batch_with_what_calls_in_order_get(
     before = _batched(batched)
     caplog.clear()
     got = await asyncio.gather(*(call() for call in calls))
-    assert _batched(batched) - before == len(calls)  # all six ran as one
-    expected = ["a1", ["b1", "b2"], None, "c7", "d1", ["a3"]]
+    assert _batched(batched) - before == 5  # the one-span calls ran as one
+    expected = ["a1", None, "c7", "d1", ["a3"], ["b1", "b2"]]
     assert [_span_ids(result) for result in got] == expected
     duplicates = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Duplicated span")]
     assert len(duplicates) == 2 and DUP.format(rid=ids[0], aid=got[0].attempt_id, sid="a1") in duplicates
@@ -348,43 +350,50 @@ async def test_a_span_batch_with_a_missing_rollout_or_attempt_fails_those_calls_
     assert [sp.span_id for sp in await store.query_spans(second.rollout_id, None)] == ["s2"]
 
 
+async def test_span_batches_switched_off_run_each_call_alone(
+    store_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``LIGHTNING_SQL_SPAN_BATCHES=0``: the same calls, each its own unit, with the same outcome
+    (but for which of the two calls adding the same key gets it: unbatched calls run in any order
+    on PostgreSQL's connections)."""
+    from lightning_sql.store.sql import spans as span_units
+
+    monkeypatch.setattr(span_units, "SPAN_BATCHES", False)
+    store = store_factory(scan_debounce_seconds=3600)
+    ids, calls = await _span_calls(store)
+    got = [_span_ids(result) for result in await asyncio.gather(*(call() for call in calls))]
+    assert {got[0], got[1]} == {"a1", None}
+    assert got[2:] == ["c7", "d1", ["a3"], ["b1", "b2"]]
+    assert _batched(store) == 0
+    assert [status for status, *_ in await _span_state(store, ids)] == [
+        "running",
+        "running",
+        "running",
+        "preparing",
+    ]
+
+
 async def test_span_adds_past_the_batch_limit_start_another_batch(
     store_factory: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On the I/O loop a batch of span adds holds ``BATCH_MAX_SPANS`` spans at most: the calls past
+    """On the I/O loop a batch of span adds holds ``BATCH_MAX_SPANS`` calls at most: the calls past
     it form the next batch of the same turn (which PostgreSQL runs on another connection); SQLite's
     writer, one connection anyway, keeps them in one batch.  Every call gets what it gets alone."""
     from lightning_sql.store.sql import spans as span_units
     from lightning_sql.store.sql.engine import AsyncLoopWorker
 
-    monkeypatch.setattr(span_units, "BATCH_MAX_SPANS", 4)
+    monkeypatch.setattr(span_units, "BATCH_MAX_SPANS", 2)
     store = store_factory(scan_debounce_seconds=3600)
     started = [await store.start_rollout({"i": i}) for i in range(5)]
     pairs = [(ar.rollout_id, ar.attempt.attempt_id) for ar in started]
-
-    def spans(r: int, n: int) -> list[Any]:
-        return [make_span(*pairs[r], k + 1, span_id=f"s{r}-{k}") for k in range(n)]
-
-    # Spans per call 3, 1 | 3, 1 | 1: batches of 4, 4 and a call alone.
-    calls = [
-        store.add_many_spans(spans(0, 3)),
-        store.add_span(spans(1, 1)[0]),
-        store.add_many_spans(spans(2, 3)),
-        store.add_span(spans(3, 1)[0]),
-        store.add_span(spans(4, 1)[0]),
-    ]
-    got = await asyncio.gather(*calls)
-    assert [_span_ids(result) for result in got] == [
-        ["s0-0", "s0-1", "s0-2"],
-        "s1-0",
-        ["s2-0", "s2-1", "s2-2"],
-        "s3-0",
-        "s4-0",
-    ]
+    got = await asyncio.gather(
+        *(store.add_span(make_span(rid, aid, 1, span_id=f"s{r}")) for r, (rid, aid) in enumerate(pairs))
+    )
+    assert [_span_ids(result) for result in got] == [f"s{r}" for r in range(5)]
     io_loop = isinstance(store._worker, AsyncLoopWorker)
-    assert _batched(store) == (4 if io_loop else 5)  # a call alone is not counted as batched
+    assert _batched(store) == (4 if io_loop else 5)  # I/O loop: 2 + 2 + a call alone (not counted)
     for r, (rid, aid) in enumerate(pairs):
-        assert [sp.span_id for sp in await store.query_spans(rid, aid)] == [f"s{r}-{k}" for k in range(3 if r in (0, 2) else 1)]
+        assert [sp.span_id for sp in await store.query_spans(rid, aid)] == [f"s{r}"]
 
 
 class _AbandoningLoop(asyncio.SelectorEventLoop):

@@ -271,7 +271,7 @@ class BatchUnit(Generic[T]):
     unit's result, what the units would give run one after the other in that order (concurrent
     claims become one claim of several rollouts).  Alone it is ``run_batch(ctx, [args])``."""
 
-    __slots__ = ("key", "args", "run_batch", "atomic", "weight", "max_weight")
+    __slots__ = ("key", "args", "run_batch", "atomic", "max_batch")
 
     def __init__(
         self,
@@ -280,19 +280,17 @@ class BatchUnit(Generic[T]):
         run_batch: Callable[[UnitContext, list[Any]], list[T]],
         *,
         atomic: bool = False,
-        weight: int = 1,
-        max_weight: int = 0,
+        max_batch: int = 0,
     ) -> None:
         self.key = key
         self.args = args
         self.run_batch = run_batch
         # A batch of these is one atomic statement: on PostgreSQL it runs without a transaction.
         self.atomic = atomic
-        # On the I/O loop a batch takes units of ``max_weight`` in all at most (0: no limit), so
-        # that a turn's big batch becomes several, which run side by side on as many connections
-        # (the database's work of one statement runs on one core).  SQLite's writer is one anyway.
-        self.weight = weight
-        self.max_weight = max_weight
+        # On the I/O loop a batch takes ``max_batch`` units at most (0: no limit), so that a turn's
+        # big batch becomes several, which run side by side on as many connections (the database's
+        # work of one statement runs on one core).  SQLite's writer is one connection anyway.
+        self.max_batch = max_batch
 
     def __call__(self, ctx: UnitContext) -> T:
         (result,) = self.run_batch(ctx, [self.args])

@@ -173,10 +173,6 @@ def _generated_run_name() -> str:
     return f"run-{datetime.now().strftime('%Y%m%d-%H%M%S')}-{generate_id(4)}"
 
 
-def _weight(items: list[tuple[BatchUnit[Any], asyncio.Future[Any], bool]]) -> int:
-    return sum(unit.weight for unit, _fut, _autocommit in items)
-
-
 class StoreInstance:
     """Options, run binding, clock, I/O hand-off, sweep debounce and lifecycle of one store instance."""
 
@@ -435,13 +431,13 @@ class StoreInstance:
         runs as it came (``autocommit`` as asked).  When the batch fails with an error
         of its own, its transaction committed nothing and the units run alone, one after the
         other, each for its own outcome; an unavailable or refused database fails them all.  A batch
-        holds units of at most ``BatchUnit.max_weight`` in all (when set): the units past it start
-        another batch of the same turn, which runs beside it on another connection."""
+        holds ``BatchUnit.max_batch`` units at most (when set): the units past it start another
+        batch of the same turn, which runs beside it on another connection."""
         loop = asyncio.get_running_loop()
         key = (loop, unit.key)
         fut: asyncio.Future[T] = loop.create_future()
         pending = worker.batches.get(key)
-        if pending is not None and unit.max_weight and _weight(pending) + unit.weight > unit.max_weight:
+        if pending is not None and unit.max_batch and len(pending) >= unit.max_batch:
             del worker.batches[key]  # full: it runs as it is, at its flush
             pending = None
         if pending is None:
@@ -556,15 +552,14 @@ class StoreInstance:
         sweeps: bool = False,
         autocommit: bool = False,
         atomic_batch: bool = False,
-        weight: int = 1,
-        max_weight: int = 0,
+        max_batch: int = 0,
     ) -> T:
         """``_call`` of a write unit that may run together with the units of the same ``run_batch``
         and run issued in the same turn of the caller's event loop (``engine.BatchUnit``):
         ``run_batch(ctx, run_id, [(now, args), ...])`` returns each call's result, what the calls
         would return run one after the other in that order; a call alone is a batch of one.
         ``autocommit``: a call alone may run without a transaction (PostgreSQL); ``atomic_batch``:
-        a batch too (it is one statement); ``weight`` / ``max_weight``: ``BatchUnit``'s."""
+        a batch too (it is one statement); ``max_batch``: ``BatchUnit``'s."""
         self._check_writable(method)
         worker, run_id = await self._prepare()
         assert run_id is not None
@@ -576,8 +571,7 @@ class StoreInstance:
             (self.now(), args),
             lambda ctx, many: run_batch(ctx, run_id, many),
             atomic=atomic_batch,
-            weight=weight,
-            max_weight=max_weight,
+            max_batch=max_batch,
         )
         return await self._submit(worker, unit, write=True, autocommit=autocommit)
 

@@ -8,6 +8,7 @@ attempt take the same steps as one statement there (``dialect.add_spans_in_one_s
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -259,8 +260,12 @@ def add_spans(
     return inserted
 
 
-# The spans of one batch of span adds on the I/O loop (``BatchUnit.max_weight``): the calls of a
-# turn past it form another batch, which PostgreSQL runs beside the first on another connection.
+# Adds of one span issued in the same turn of a loop run as one call (``add_spans_batch``, ADR 0005
+# decision 10); "0" turns it off (each call its own unit, as before).  A call of several spans is
+# one statement on its own.
+SPAN_BATCHES = os.environ.get("LIGHTNING_SQL_SPAN_BATCHES", "1") != "0"
+# The calls of one batch of span adds on the I/O loop (``BatchUnit.max_batch``): the calls of a turn
+# past it form another batch, which PostgreSQL runs beside the first on another connection.
 BATCH_MAX_SPANS = 64
 
 

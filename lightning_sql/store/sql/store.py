@@ -545,17 +545,17 @@ class SqlLightningStore(StoreInstance, LightningStore):
         # Validate and encode before any I/O (bad input writes nothing and needs no database), on the
         # caller's thread: the I/O thread only stamps the run id.
         rows = [span_values(span, 0) for span in spans]
-        if not allocate and span_units.one_group(spans):
-            # Spans of one attempt are one statement on PostgreSQL, atomic alone; so are the spans of
-            # the calls issued with it in the same turn of the loop (the runners' add_span calls).
+        one_statement = not allocate and span_units.one_group(spans)  # on PostgreSQL, atomic alone
+        if one_statement and len(spans) == 1 and span_units.SPAN_BATCHES:
+            # One span: with the other one-span adds issued in the same turn of the loop (the
+            # runners' tracers), one statement for them all on PostgreSQL.
             return await self._call_batchable(
                 method,
                 span_units.add_spans_batch,
                 (spans, rows),
                 autocommit=True,
                 atomic_batch=True,
-                weight=len(spans),
-                max_weight=span_units.BATCH_MAX_SPANS,
+                max_batch=span_units.BATCH_MAX_SPANS,
             )
 
         def unit(ctx: UnitContext, run_id: int, now: float) -> list[Span]:
@@ -564,7 +564,7 @@ class SqlLightningStore(StoreInstance, LightningStore):
                     row["run_id"] = run_id
             return span_units.add_spans(ctx, run_id, now, spans, rows, allocate=allocate)
 
-        return await self._call(method, unit, write=True)
+        return await self._call(method, unit, write=True, autocommit=one_statement)
 
     async def add_otel_span(
         self,
