@@ -139,7 +139,7 @@ def _collector_settled(freeze: bool) -> Any:
     claims/s instead of 25,000, and B2's server (a thread of this process) pays them throughout W7.
     A real process of either store holds its imports too, so the default measures with them;
     frozen, a collection during a measurement walks only what the measurement made (a diagnostic:
-    docs/performance.md, eighth pass)."""
+    docs/performance-history.md, eighth pass)."""
     if not freeze:
         yield
         return
