@@ -430,6 +430,20 @@ async def test_concurrent_spans_of_several_attempts_are_one_statement(wire: tupl
         await store.close()
 
 
+def test_the_span_batch_locks_in_the_id_columns_order() -> None:
+    """The batch statement sorts the rollout ids, and the (rollout, attempt) pairs, it locks as the
+    id columns do (COLLATE "C"), not in the database's default collation: every statement that
+    locks several rollouts must take them in one order, or two of them can deadlock."""
+    from sqlalchemy.dialects import postgresql
+
+    from lightning_sql.store.sql import dialect as d
+
+    sql = " ".join(str(d._span_ingest_many_statement().compile(dialect=postgresql.asyncpg.dialect())).split())
+    assert 'SELECT DISTINCT wanted.rollout_id COLLATE "C" AS rollout_id FROM wanted ORDER BY rollout_id' in sql
+    assert 'ORDER BY wanted.rollout_id COLLATE "C", wanted.attempt_id COLLATE "C"' in sql
+    assert sql.count("FOR UPDATE") == 2 and sql.count("LIMIT") >= 2  # one keyed look-up per lock
+
+
 async def test_a_claim_is_one_statement_without_a_transaction(wire: tuple[WireCounter, str, str]) -> None:
     """dequeue: ONE statement (rollout, attempt and worker row together), no BEGIN or COMMIT; an
     empty queue adds the idle marking, also without a transaction."""

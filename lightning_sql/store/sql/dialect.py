@@ -504,8 +504,10 @@ def _span_ingest_many_statement() -> Any:
     )
     # Each row is locked through its key, in lock order: a LATERAL look-up per wanted row (its LIMIT
     # keeps the planner from turning it into a join, which on a table without statistics it plans
-    # as a scan of the run's rows).
-    rollout_ids = select(wanted.c.rollout_id).distinct().order_by(wanted.c.rollout_id).subquery("rollout_ids")
+    # as a scan of the run's rows).  The ids sort as the id columns do (COLLATE "C": IdText), not in
+    # the database's default collation, so that every statement locks rollouts in one order.
+    wanted_id = wanted.c.rollout_id.collate("C").label("rollout_id")
+    rollout_ids = select(wanted_id).distinct().order_by(wanted_id).subquery("rollout_ids")
     rollout = (
         select(R.c.rollout_id, R.c.attempt_count)
         .where(R.c.run_id == run_id, R.c.rollout_id == rollout_ids.c.rollout_id)
@@ -524,7 +526,7 @@ def _span_ingest_many_statement() -> Any:
     pairs = (
         select(wanted.c.rollout_id, wanted.c.attempt_id)
         .where(rollouts_found)  # the rollout rows are locked first (and all exist)
-        .order_by(wanted.c.rollout_id, wanted.c.attempt_id)
+        .order_by(wanted.c.rollout_id.collate("C"), wanted.c.attempt_id.collate("C"))
         .subquery("pairs")
     )
     attempt = (
