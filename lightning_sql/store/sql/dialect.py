@@ -18,6 +18,7 @@ from sqlalchemy import (
     Table,
     Text,
     and_,
+    any_,
     bindparam,
     case,
     cast,
@@ -561,10 +562,15 @@ def _span_ingest_many_statement() -> Any:
         .returning(S.c.rollout_id, S.c.attempt_id, S.c.span_id)
         .cte("inserted")
     )
+    # The heartbeat finds its attempts through the key with the group's rollout ids as one array
+    # (``= ANY``): with the ``IN`` on the inserted rows alone, a table with statistics is planned
+    # as a scan of the run's attempts (tests/contract/test_pg_plans.py).
+    group_rollouts = bindparam("sm_group_rollout_ids", type_=ARRAY(Text))
     heartbeat = (
         update(A)
         .where(
             A.c.run_id == run_id,
+            A.c.rollout_id == any_(group_rollouts),
             tuple_(A.c.rollout_id, A.c.attempt_id).in_(select(inserted.c.rollout_id, inserted.c.attempt_id)),
         )
         .values(

@@ -1,0 +1,127 @@
+"""How PostgreSQL plans the batch statements: they find their rows through the key, never by scanning
+the run's rows.
+
+Concurrent calls of one kind run as one statement (ADR 0005 decisions 7 and 10): the span batch
+(one-span adds of several attempts) and the sequence-id batch (reservations for several rollouts).
+Their UPDATEs name their rows by the statement's own ids. The span batch's heartbeat, written with
+an ``IN`` on the rows it inserted alone, was planned as a scan of every attempt of the run once the
+tables had statistics (W2 on PostgreSQL 20-30% slower with them); it now also names the rollout
+ids as one array (``= ANY``), which the planner takes as key look-ups. Each test runs the calls for
+real (captured with a ``before_cursor_execute`` listener), analyses the tables as autovacuum would
+on a live database, and asks PostgreSQL for the statement's plan with the same parameters, at a
+size (2,000 claimed rollouts) where a scan costs more than the look-ups.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import asyncpg
+import pytest
+from sqlalchemy import event
+
+from lightning_sql import EnqueueRolloutRequest, SqlLightningStore
+from tests.conftest import PG_URL, BackendSpec
+from tests.contract.test_spans import make_span
+
+pytestmark = pytest.mark.postgres
+
+ROLLOUTS = 2000  # enough for a scan of the run to cost more than a key look-up per row
+CALLERS = 8
+
+
+async def _captured(
+    store: SqlLightningStore, marker: str, calls: Callable[[], Awaitable[Any]]
+) -> tuple[str, Any]:
+    """The one statement containing ``marker`` that ``calls`` ran, with its parameters."""
+    engine = store._worker.engine_for_this_loop()  # type: ignore[union-attr]
+    seen: list[tuple[str, Any]] = []
+
+    def before(
+        conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, executemany: bool
+    ) -> None:
+        if marker in statement:
+            seen.append((statement, parameters))
+
+    event.listen(engine, "before_cursor_execute", before)
+    try:
+        await calls()
+    finally:
+        event.remove(engine, "before_cursor_execute", before)
+    assert len(seen) == 1, [s for s, _p in seen]
+    return seen[0]
+
+
+async def _plan(schema: str, statement: str, parameters: Any) -> list[dict[str, Any]]:
+    """Every node of the statement's plan (``EXPLAIN``, not run), after ``ANALYZE``."""
+    conn = await asyncpg.connect(PG_URL.replace("postgresql+asyncpg://", "postgresql://"))
+    try:
+        await conn.execute(f'ANALYZE "{schema}".rollouts, "{schema}".attempts, "{schema}".spans')
+        (raw,) = await conn.fetchrow("EXPLAIN (FORMAT JSON) " + statement, *parameters)
+    finally:
+        await conn.close()
+    nodes: list[dict[str, Any]] = []
+    pending = [(json.loads(raw) if isinstance(raw, str) else raw)[0]["Plan"]]
+    while pending:
+        node = pending.pop()
+        nodes.append(node)
+        pending.extend(node.get("Plans", []))
+    return nodes
+
+
+def _scans_of_the_run(nodes: list[dict[str, Any]]) -> list[str]:
+    """The nodes that read rollouts or attempts other than by a key look-up."""
+    keyed = ("Index Scan", "Index Only Scan")
+    return [
+        f"{n['Node Type']} on {n['Relation Name']} ({n.get('Index Name')}: {n.get('Index Cond') or n.get('Filter')})"
+        for n in nodes
+        if n.get("Relation Name") in ("rollouts", "attempts")
+        and n["Node Type"] != "ModifyTable"
+        and (n["Node Type"] not in keyed or "rollout_id" not in str(n.get("Index Cond", "")))
+    ]
+
+
+async def _claimed(store: SqlLightningStore) -> list[tuple[str, str]]:
+    await store.enqueue_many_rollouts([EnqueueRolloutRequest(input={"i": i}) for i in range(ROLLOUTS)])
+    claimed = await store.dequeue_many_rollouts(limit=ROLLOUTS, worker_id="w")
+    return [(ar.rollout_id, ar.attempt.attempt_id) for ar in claimed][:CALLERS]
+
+
+async def test_the_span_batch_updates_attempts_and_rollouts_by_key(pg_backend: BackendSpec) -> None:
+    store = pg_backend.open(run="r")
+    try:
+        pairs = await _claimed(store)
+        statement, parameters = await _captured(
+            store,
+            "given",
+            lambda: asyncio.gather(*(store.add_span(make_span(rid, aid, 1)) for rid, aid in pairs)),
+        )
+        assert pg_backend.schema is not None
+        nodes = await _plan(pg_backend.schema, statement, parameters)
+        assert {n["Relation Name"] for n in nodes if n["Node Type"] == "ModifyTable"} >= {
+            "attempts",
+            "rollouts",
+        }
+        assert _scans_of_the_run(nodes) == []
+    finally:
+        await store.close()
+
+
+async def test_the_sequence_id_batch_updates_rollouts_by_key(pg_backend: BackendSpec) -> None:
+    store = pg_backend.open(run="r")
+    try:
+        pairs = await _claimed(store)
+        statement, parameters = await _captured(
+            store,
+            "span_seq",
+            lambda: asyncio.gather(*(store.get_many_span_sequence_ids([pair] * 3) for pair in pairs)),
+        )
+        assert pg_backend.schema is not None
+        nodes = await _plan(pg_backend.schema, statement, parameters)
+        assert any(n["Node Type"] == "ModifyTable" and n["Relation Name"] == "rollouts" for n in nodes)
+        assert _scans_of_the_run(nodes) == []
+    finally:
+        await store.close()
