@@ -1,12 +1,14 @@
-"""How PostgreSQL plans the batch statements: they find their rows through the key, never by scanning
-the run's rows.
+"""How PostgreSQL plans the batch statements on analysed tables: they find their rows through the
+key, not by scanning the run's rows.
 
 Concurrent calls of one kind run as one statement (ADR 0005 decisions 7 and 10): the span batch
 (one-span adds of several attempts) and the sequence-id batch (reservations for several rollouts).
 Their UPDATEs name their rows by the statement's own ids. The span batch's heartbeat, written with
 an ``IN`` on the rows it inserted alone, was planned as a scan of every attempt of the run once the
-tables had statistics (W2 on PostgreSQL 20-30% slower with them); it now also names the rollout
-ids as one array (``= ANY``), which the planner takes as key look-ups. Each test runs the calls for
+tables had statistics (W2 on PostgreSQL 15-25% slower with them); it now also names the rollout
+ids as one array (``= ANY``), which the planner takes as key look-ups. (Without statistics, on a
+fresh schema, the rollout UPDATEs are still planned as a bitmap scan of the run's rows:
+docs/performance.md, thirteenth pass.) Each test runs the calls for
 real (captured with a ``before_cursor_execute`` listener), analyses the tables as autovacuum would
 on a live database, and asks PostgreSQL for the statement's plan with the same parameters, at a
 size (2,000 claimed rollouts) where a scan costs more than the look-ups.
