@@ -92,38 +92,31 @@ async def _claimed(store: SqlLightningStore) -> list[tuple[str, str]]:
     return [(ar.rollout_id, ar.attempt.attempt_id) for ar in claimed][:CALLERS]
 
 
-async def test_the_span_batch_updates_attempts_and_rollouts_by_key(pg_backend: BackendSpec) -> None:
+def _add_one_span_each(store: SqlLightningStore, pairs: list[tuple[str, str]]) -> Awaitable[Any]:
+    return asyncio.gather(*(store.add_span(make_span(rid, aid, 1)) for rid, aid in pairs))
+
+
+def _reserve_each(store: SqlLightningStore, pairs: list[tuple[str, str]]) -> Awaitable[Any]:
+    return asyncio.gather(*(store.get_many_span_sequence_ids([pair] * 3) for pair in pairs))
+
+
+# batch: (a text only its statement holds, the concurrent calls, the tables its statement updates)
+BATCHES = {
+    "span batch": ("given", _add_one_span_each, {"attempts", "rollouts"}),
+    "sequence-id batch": ("span_seq", _reserve_each, {"rollouts"}),
+}
+
+
+@pytest.mark.parametrize("batch", list(BATCHES))
+async def test_a_batch_statement_updates_its_rows_by_key(pg_backend: BackendSpec, batch: str) -> None:
+    marker, calls, updated = BATCHES[batch]
     store = pg_backend.open(run="r")
     try:
         pairs = await _claimed(store)
-        statement, parameters = await _captured(
-            store,
-            "given",
-            lambda: asyncio.gather(*(store.add_span(make_span(rid, aid, 1)) for rid, aid in pairs)),
-        )
+        statement, parameters = await _captured(store, marker, lambda: calls(store, pairs))
         assert pg_backend.schema is not None
         nodes = await _plan(pg_backend.schema, statement, parameters)
-        assert {n["Relation Name"] for n in nodes if n["Node Type"] == "ModifyTable"} >= {
-            "attempts",
-            "rollouts",
-        }
-        assert _scans_of_the_run(nodes) == []
-    finally:
-        await store.close()
-
-
-async def test_the_sequence_id_batch_updates_rollouts_by_key(pg_backend: BackendSpec) -> None:
-    store = pg_backend.open(run="r")
-    try:
-        pairs = await _claimed(store)
-        statement, parameters = await _captured(
-            store,
-            "span_seq",
-            lambda: asyncio.gather(*(store.get_many_span_sequence_ids([pair] * 3) for pair in pairs)),
-        )
-        assert pg_backend.schema is not None
-        nodes = await _plan(pg_backend.schema, statement, parameters)
-        assert any(n["Node Type"] == "ModifyTable" and n["Relation Name"] == "rollouts" for n in nodes)
+        assert {n["Relation Name"] for n in nodes if n["Node Type"] == "ModifyTable"} >= updated
         assert _scans_of_the_run(nodes) == []
     finally:
         await store.close()
