@@ -492,10 +492,11 @@ def _span_ingest_many_statement() -> Any:
     R, A, S = s.rollouts, s.attempts, s.spans
     run_id = bindparam("sm_run_id", type_=Integer)
     now = bindparam("sm_now", type_=Float(precision=53))
+    group_rollouts = bindparam("sm_group_rollout_ids", type_=ARRAY(Text))  # also the heartbeat's keys
     wanted = (
         select(
             func.unnest(
-                bindparam("sm_group_rollout_ids", type_=ARRAY(Text)),
+                group_rollouts,
                 bindparam("sm_group_attempt_ids", type_=ARRAY(Text)),
             )
             .table_valued("rollout_id", "attempt_id")
@@ -565,7 +566,6 @@ def _span_ingest_many_statement() -> Any:
     # The heartbeat finds its attempts through the key with the group's rollout ids as one array
     # (``= ANY``): with the ``IN`` on the inserted rows alone, a table with statistics is planned
     # as a scan of the run's attempts (tests/contract/test_pg_plans.py).
-    group_rollouts = bindparam("sm_group_rollout_ids", type_=ARRAY(Text))
     heartbeat = (
         update(A)
         .where(
