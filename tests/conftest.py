@@ -8,6 +8,7 @@ the server is unreachable, unless ``LIGHTNING_SQL_REQUIRE_POSTGRES=1`` (CI), whe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -107,9 +108,15 @@ def _backend(name: str, tmp_path: Path) -> Iterator[BackendSpec]:
 
 
 @pytest.fixture
-def clock() -> FakeClock:
-    """A mutable fake local clock, injected as ``clock=`` (starts at a fixed epoch)."""
-    return FakeClock(1_800_000_000.0)
+def clock() -> Iterator[FakeClock]:
+    """A mutable fake local clock, injected as ``clock=`` (starts at a fixed epoch); its file is
+    removed after the test."""
+    fake = FakeClock(1_800_000_000.0)
+    try:
+        yield fake
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(fake.path)
 
 
 @pytest.fixture
