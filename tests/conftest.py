@@ -8,7 +8,6 @@ the server is unreachable, unless ``LIGHTNING_SQL_REQUIRE_POSTGRES=1`` (CI), whe
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -115,8 +114,7 @@ def clock() -> Iterator[FakeClock]:
     try:
         yield fake
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(fake.path)
+        fake.remove()
 
 
 @pytest.fixture

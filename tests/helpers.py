@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import struct
@@ -41,6 +42,11 @@ class FakeClock:
         value = self() + seconds
         self.set(value)
         return value
+
+    def remove(self) -> None:
+        """Delete the clock's file (when its test is done with it)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
 
     def __getstate__(self) -> dict[str, str]:
         return {"path": self.path}

@@ -72,5 +72,6 @@ def build(kind: str, directory: Path) -> Iterator[Populated]:
         populated.facts = asyncio.run(write())
         yield populated
     finally:
+        clock.remove()
         if schema is not None:
             drop_pg_schema(PG_URL, schema)

@@ -251,6 +251,7 @@ def fresh(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Populated]
     try:
         yield spec
     finally:
+        spec.clock.remove()
         if spec.schema is not None:
             drop_pg_schema(PG_URL, spec.schema)
 

@@ -404,6 +404,7 @@ async def test_spans_of_one_attempt_are_one_statement(wire: tuple[WireCounter, s
         assert rollout is not None and rollout.status == "running"
     finally:
         await store.close()
+        clock.remove()
 
 
 async def test_concurrent_spans_of_several_attempts_are_one_statement(wire: tuple[WireCounter, str, str]) -> None:
