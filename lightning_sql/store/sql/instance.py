@@ -23,9 +23,9 @@ from typing import Any, Self, TypeVar
 from sqlalchemy import URL
 
 from lightning_sql.store.sql import dialect as d
+from lightning_sql.store.sql import planner_stats, sweeper
 from lightning_sql.store.sql import runs as run_units
 from lightning_sql.store.sql import schema as s
-from lightning_sql.store.sql import sweeper
 from lightning_sql.store.sql.engine import (
     AsyncLoopWorker,
     BatchUnit,
@@ -189,6 +189,7 @@ class StoreInstance:
         default_rollout_config: RolloutConfig | None = None,
         scan_debounce_seconds: float = 10.0,
         connect_deadline_seconds: float = 30.0,
+        analyze_check_seconds: float | None = 10.0,
         auto_migrate: bool = True,
         schema: str = s.DEFAULT_PG_SCHEMA,
         **engine_options: Any,
@@ -215,6 +216,12 @@ class StoreInstance:
                 raise TypeError(f"{option} must be a number, got {number!r}")
         if connect_deadline_seconds < 0:
             raise ValueError(f"connect_deadline_seconds must be >= 0, got {connect_deadline_seconds!r}")
+        if analyze_check_seconds is not None and (
+            isinstance(analyze_check_seconds, bool) or not isinstance(analyze_check_seconds, (int, float))
+        ):
+            raise TypeError(f"analyze_check_seconds must be a number or None, got {analyze_check_seconds!r}")
+        if analyze_check_seconds is not None and not analyze_check_seconds >= 0:
+            raise ValueError(f"analyze_check_seconds must be >= 0 or None, got {analyze_check_seconds!r}")
         if default_rollout_config is not None and not isinstance(default_rollout_config, RolloutConfig):
             raise TypeError(f"default_rollout_config must be a RolloutConfig or None, got {default_rollout_config!r}")
         if not isinstance(schema, str) or not schema:
@@ -244,6 +251,9 @@ class StoreInstance:
         self.default_rollout_config = default_rollout_config
         self.scan_debounce_seconds = float(scan_debounce_seconds)
         self.connect_deadline_seconds = float(connect_deadline_seconds)
+        # PostgreSQL: how often (monotonic seconds, at most) the lazy sweep looks for run tables due
+        # for ANALYZE (planner_stats); None: never.
+        self.analyze_check_seconds = None if analyze_check_seconds is None else float(analyze_check_seconds)
         self._auto_migrate = auto_migrate
         self._schema = schema
         self._engine_options = engine_options
@@ -257,6 +267,7 @@ class StoreInstance:
         self._offset = 0.0
         self._offset_measured_at: float | None = None
         self._last_sweep: float | None = None
+        self._last_analyze_check: float | None = None
         self._sweep_lock = threading.Lock()
         self._sweeping = False
         self._attach_lock = threading.Lock()
@@ -282,6 +293,7 @@ class StoreInstance:
                 "_offset",
                 "_offset_measured_at",
                 "_last_sweep",
+                "_last_analyze_check",
                 "_sweeping",
                 "_pid",
                 "_created_monotonic",
@@ -609,6 +621,34 @@ class StoreInstance:
         finally:
             with self._sweep_lock:
                 self._sweeping = False
+        if self._analyze_check_due():
+            schema = self._schema
+            try:
+                analysed = await self._submit(
+                    worker, lambda ctx: planner_stats.analyze_changed_tables(ctx, schema), write=True
+                )
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - as the lazy sweep: never fails the caller's call
+                logger.warning("Looking for tables to ANALYZE failed; it will be retried", exc_info=True)
+            else:
+                if analysed:
+                    logger.info("Analysed %s (planner statistics) in schema %s", ", ".join(analysed), schema)
+                else:
+                    logger.debug("No table of schema %s is due for ANALYZE", schema)
+
+    def _analyze_check_due(self) -> bool:
+        """Whether the lazy sweep that just ran also looks for run tables due for ANALYZE
+        (PostgreSQL, ``analyze_check_seconds``; ADR 0006)."""
+        if self._target.dialect != "postgresql" or self.analyze_check_seconds is None:
+            return False
+        with self._sweep_lock:
+            now = time.monotonic()
+            last = self._last_analyze_check
+            if last is not None and now - last < self.analyze_check_seconds:
+                return False
+            self._last_analyze_check = now
+            return True
 
     async def sweep(self, all_runs: bool = False) -> int:
         """Run the sweeper now (ignoring the debounce); returns the number of attempts it expired."""

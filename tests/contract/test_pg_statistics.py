@@ -1,0 +1,99 @@
+"""Planner statistics on PostgreSQL: the lazy sweep analyses a run table once it has changed by as
+many rows as it held at its last analysis (at least 1,000), and leaves it alone otherwise
+(``planner_stats``, ADR 0006).
+
+The counts come from ``pg_stat_user_tables``, which the server updates a moment after the writes
+(each backend reports its counts when it goes idle): the test waits for them before it sweeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import asyncpg
+import pytest
+
+from lightning_sql import EnqueueRolloutRequest, SqlLightningStore
+from lightning_sql.store.sql.planner_stats import MIN_CHANGES
+from tests.conftest import PG_URL, BackendSpec
+
+pytestmark = pytest.mark.postgres
+
+TABLES = ("rollouts", "attempts", "spans")
+
+
+async def _table_stats(schema: str) -> dict[str, tuple[int, int, float]]:
+    """Per run table: (analyses so far, changes since the last one, rows the planner believes)."""
+    conn = await asyncpg.connect(PG_URL.replace("postgresql+asyncpg://", "postgresql://"))
+    try:
+        rows = await conn.fetch(
+            """SELECT t.relname, t.analyze_count, t.n_mod_since_analyze, c.reltuples
+               FROM pg_stat_user_tables t JOIN pg_class c ON c.oid = t.relid
+               WHERE t.schemaname = $1 AND t.relname = ANY($2::text[])""",
+            schema,
+            list(TABLES),
+        )
+    finally:
+        await conn.close()
+    return {r["relname"]: (r["analyze_count"], r["n_mod_since_analyze"], r["reltuples"]) for r in rows}
+
+
+async def _changes_reported(schema: str, table: str, at_least: int) -> dict[str, tuple[int, int, float]]:
+    deadline = time.monotonic() + 30.0  # generous: the server reports a backend's counts once it is idle
+    while True:
+        stats = await _table_stats(schema)
+        if stats[table][1] >= at_least or time.monotonic() > deadline:
+            return stats
+        await asyncio.sleep(0.2)
+
+
+def _open(pg_backend: BackendSpec, **options: object) -> SqlLightningStore:
+    return pg_backend.open(run="r", scan_debounce_seconds=0, clock_sync=False, **options)
+
+
+async def test_a_table_changed_by_its_size_is_analysed_by_the_next_sweep(pg_backend: BackendSpec) -> None:
+    assert pg_backend.schema is not None
+    store = _open(pg_backend, analyze_check_seconds=0)
+    try:
+        n = MIN_CHANGES + 200
+        await store.enqueue_many_rollouts([EnqueueRolloutRequest(input={"i": i}) for i in range(n)])
+        before = await _changes_reported(pg_backend.schema, "rollouts", n)
+        assert before["rollouts"][:2] == (0, n), before  # never analysed; n rows inserted
+        assert await store.dequeue_rollout(worker_id="w") is not None  # its lazy sweep looks
+        after = await _table_stats(pg_backend.schema)
+        assert after["rollouts"][0] == 1 and after["rollouts"][2] == n, after  # analysed: n rows known
+        assert after["attempts"][0] == 0 and after["spans"][0] == 0, after  # below MIN_CHANGES: left alone
+        await store.dequeue_rollout(worker_id="w")
+        assert (await _table_stats(pg_backend.schema))["rollouts"][0] == 1  # no change of its size since
+    finally:
+        await store.close()
+
+
+async def test_no_analysis_when_switched_off(pg_backend: BackendSpec) -> None:
+    assert pg_backend.schema is not None
+    store = _open(pg_backend, analyze_check_seconds=None)
+    try:
+        n = MIN_CHANGES + 200
+        await store.enqueue_many_rollouts([EnqueueRolloutRequest(input={"i": i}) for i in range(n)])
+        await _changes_reported(pg_backend.schema, "rollouts", n)
+        await store.dequeue_rollout(worker_id="w")
+        assert (await _table_stats(pg_backend.schema))["rollouts"][0] == 0
+    finally:
+        await store.close()
+
+
+async def test_the_check_is_debounced(pg_backend: BackendSpec) -> None:
+    """A store looks at most once per ``analyze_check_seconds``: its first sweep looks (nothing is due
+    on an empty table); within the hour that follows, later sweeps do not, even once a table is due."""
+    assert pg_backend.schema is not None
+    store = _open(pg_backend, analyze_check_seconds=3600)
+    try:
+        await store.dequeue_rollout(worker_id="w")  # the first sweep looks: nothing due
+        n = MIN_CHANGES + 200
+        await store.enqueue_many_rollouts([EnqueueRolloutRequest(input={"i": i}) for i in range(n)])
+        await _changes_reported(pg_backend.schema, "rollouts", n)
+        await store.dequeue_rollout(worker_id="w")
+        assert (await _table_stats(pg_backend.schema))["rollouts"][0] == 0
+    finally:
+        await store.close()
