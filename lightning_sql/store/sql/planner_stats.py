@@ -14,14 +14,14 @@ execution of each statement is planned with the new statistics.
 
 from __future__ import annotations
 
-from typing import Any
-
 from sqlalchemy import func, select, text
 
 from lightning_sql.store.sql.engine import UnitContext
 
 # A table is analysed once it has changed by max(MIN_CHANGES, rows at the last analysis) rows.
 MIN_CHANGES = 1000
+# The tables whose plans depend on how many rows a run holds.
+RUN_TABLES = ("attempts", "rollouts", "spans")
 
 _DUE = text(
     """
@@ -29,7 +29,7 @@ _DUE = text(
     FROM pg_catalog.pg_class AS c
     JOIN pg_catalog.pg_stat_user_tables AS t ON t.relid = c.oid
     WHERE c.relnamespace = to_regnamespace(:schema)
-      AND c.relname IN ('rollouts', 'attempts', 'spans')
+      AND c.relname IN ('attempts', 'rollouts', 'spans')
       AND pg_catalog.pg_has_role(c.relowner, 'USAGE')
       AND t.n_mod_since_analyze >= greatest(:min_changes, c.reltuples)
     ORDER BY c.relname
@@ -42,21 +42,19 @@ def analyze_changed_tables(ctx: UnitContext, schema: str) -> list[str]:
     module's docstring); the names of those analysed.  Tables this role does not own are left to
     their owner and autovacuum.  One store at a time per schema (a transaction-scoped advisory lock);
     the others skip."""
-    due: list[str] = [
+    preparer = ctx.conn.dialect.identifier_preparer
+    found = {
         row.name
         for row in ctx.conn.execute(
-            _DUE, {"schema": _quoted(ctx, schema), "min_changes": MIN_CHANGES}
+            _DUE, {"schema": preparer.quote_schema(schema), "min_changes": MIN_CHANGES}
         )
-    ]
+    }
+    due = [name for name in RUN_TABLES if name in found]  # names from this module, not the database
     if not due:
         return []
     lock = func.pg_try_advisory_xact_lock(func.hashtext(f"lightning_sql.analyze:{schema}"))
     if not ctx.conn.execute(select(lock)).scalar():
         return []
-    names = ", ".join(f"{_quoted(ctx, schema)}.{_quoted(ctx, name)}" for name in due)
-    ctx.conn.execute(text(f"ANALYZE {names}"))
+    tables = ", ".join(f"{preparer.quote_schema(schema)}.{preparer.quote(name)}" for name in due)
+    ctx.conn.execute(text(f"ANALYZE {tables}"))
     return due
-
-
-def _quoted(ctx: UnitContext, name: str) -> Any:
-    return ctx.conn.dialect.identifier_preparer.quote(name)
