@@ -70,26 +70,24 @@ async def test_a_table_changed_by_its_size_is_analysed_by_the_next_sweep(pg_back
         await store.close()
 
 
-async def test_no_analysis_when_switched_off(pg_backend: BackendSpec) -> None:
-    assert pg_backend.schema is not None
-    store = _open(pg_backend, analyze_check_seconds=None)
-    try:
-        n = MIN_CHANGES + 200
-        await store.enqueue_many_rollouts([EnqueueRolloutRequest(input={"i": i}) for i in range(n)])
-        await _changes_reported(pg_backend.schema, "rollouts", n)
-        await store.dequeue_rollout(worker_id="w")
-        assert (await _table_stats(pg_backend.schema))["rollouts"][0] == 0
-    finally:
-        await store.close()
+# case: (analyze_check_seconds, whether a sweep runs before the table is due)
+NOT_ANALYSED = {
+    # None: the store never looks.
+    "switched off": (None, False),
+    # A store looks at most once per analyze_check_seconds: its first sweep looks (nothing is due on
+    # an empty table); within the hour that follows, later sweeps do not, even once a table is due.
+    "debounced": (3600, True),
+}
 
 
-async def test_the_check_is_debounced(pg_backend: BackendSpec) -> None:
-    """A store looks at most once per ``analyze_check_seconds``: its first sweep looks (nothing is due
-    on an empty table); within the hour that follows, later sweeps do not, even once a table is due."""
+@pytest.mark.parametrize("case", list(NOT_ANALYSED))
+async def test_a_due_table_is_left_alone(pg_backend: BackendSpec, case: str) -> None:
+    check_seconds, sweep_first = NOT_ANALYSED[case]
     assert pg_backend.schema is not None
-    store = _open(pg_backend, analyze_check_seconds=3600)
+    store = _open(pg_backend, analyze_check_seconds=check_seconds)
     try:
-        await store.dequeue_rollout(worker_id="w")  # the first sweep looks: nothing due
+        if sweep_first:
+            await store.dequeue_rollout(worker_id="w")
         n = MIN_CHANGES + 200
         await store.enqueue_many_rollouts([EnqueueRolloutRequest(input={"i": i}) for i in range(n)])
         await _changes_reported(pg_backend.schema, "rollouts", n)
