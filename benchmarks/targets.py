@@ -99,15 +99,16 @@ def sql_store_options(name: str) -> dict[str, Any]:
 
 
 @contextlib.asynccontextmanager
-async def open_target(name: str, workdir: str) -> AsyncIterator[Target]:
-    """A fresh store of kind ``name`` ("sqlite", "postgres", "B1", "B2"), closed and removed after."""
+async def open_target(name: str, workdir: str, **store_options: Any) -> AsyncIterator[Target]:
+    """A fresh store of kind ``name`` ("sqlite", "postgres", "B1", "B2"), closed and removed after;
+    ``store_options`` go to ``SqlLightningStore`` (the SQL targets only)."""
     if name == "sqlite":
         from lightning_sql import SqlLightningStore
         from lightning_sql.types import EnqueueRolloutRequest, Span
 
         directory = tempfile.mkdtemp(prefix="bench-sqlite-", dir=workdir)
         url = f"sqlite:///{directory}/bench.db"
-        store = SqlLightningStore(url, **sql_store_options(name))
+        store = SqlLightningStore(url, **sql_store_options(name), **store_options)
         try:
             await store.statistics()  # open, migrate and bind the run outside the timings
             yield Target(name, store, Span, EnqueueRolloutRequest, remote=("sql", url, None), extra={"path": f"{directory}/bench.db"})
@@ -120,7 +121,7 @@ async def open_target(name: str, workdir: str) -> AsyncIterator[Target]:
 
         schema = f"bench_{os.getpid()}_{next(_schema_ids)}"
         url = pg_url()
-        store = SqlLightningStore(url, schema=schema, **sql_store_options(name))
+        store = SqlLightningStore(url, schema=schema, **sql_store_options(name), **store_options)
         try:
             await store.statistics()
             yield Target(name, store, Span, EnqueueRolloutRequest, remote=("sql", url, schema), extra={"schema": schema})

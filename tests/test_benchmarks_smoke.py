@@ -123,3 +123,12 @@ async def test_per_call_diagnostic_runs_and_reports() -> None:
     assert all(rate > 0 and cpu >= 0 for rate, cpu in figures.values())
     lines = percall.report({"sqlite": {call: [f] for call, f in figures.items()}}, 3, 12)
     assert lines[1].strip() == "sqlite" and "W1 lifecycle" in lines[-1]
+
+
+@pytest.mark.parametrize("batch", [False, True])
+async def test_growth_diagnostic_runs_its_phases_and_checks_them(batch: bool) -> None:
+    from benchmarks import growth
+
+    results = await growth.run("sqlite", analyze=True, phases=2, per_phase=8, runners=3, batch=batch)
+    assert [size for size, _rate, _problems in results] == [8, 16]
+    assert all(rate > 0 and problems == [] for _size, rate, problems in results)

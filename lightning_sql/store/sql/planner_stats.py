@@ -1,5 +1,5 @@
 """Planner statistics for the run tables on PostgreSQL: ``ANALYZE`` a table once it has changed by
-as many rows as it held when it was last analysed (ADR 0007).
+as many rows as it held when it was last analysed (ADR 0006).
 
 Without statistics PostgreSQL takes ``run_id = <the run>`` to match a few rows whatever the table
 holds, and a prepared statement keeps the plan made from that belief for the connection's life: a
