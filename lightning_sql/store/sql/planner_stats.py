@@ -29,7 +29,7 @@ _DUE = text(
     FROM pg_catalog.pg_class AS c
     JOIN pg_catalog.pg_stat_user_tables AS t ON t.relid = c.oid
     WHERE c.relnamespace = to_regnamespace(:schema)
-      AND c.relname IN ('attempts', 'rollouts', 'spans')
+      AND c.relname = ANY(:tables)
       AND pg_catalog.pg_has_role(c.relowner, 'USAGE')
       AND t.n_mod_since_analyze >= greatest(:min_changes, c.reltuples)
     ORDER BY c.relname
@@ -46,7 +46,8 @@ def analyze_changed_tables(ctx: UnitContext, schema: str) -> list[str]:
     found = {
         row.name
         for row in ctx.conn.execute(
-            _DUE, {"schema": preparer.quote_schema(schema), "min_changes": MIN_CHANGES}
+            _DUE,
+            {"schema": preparer.quote_schema(schema), "tables": list(RUN_TABLES), "min_changes": MIN_CHANGES},
         )
     }
     due = [name for name in RUN_TABLES if name in found]  # names from this module, not the database
