@@ -17,6 +17,7 @@ import pytest
 from lightning_sql import EnqueueRolloutRequest, SqlLightningStore
 from lightning_sql.store.sql.planner_stats import MIN_CHANGES
 from tests.conftest import PG_URL, BackendSpec
+from tests.contract.test_spans import make_span
 
 pytestmark = pytest.mark.postgres
 
@@ -64,8 +65,17 @@ async def test_a_table_changed_by_its_size_is_analysed_by_the_next_sweep(pg_back
         after = await _table_stats(pg_backend.schema)
         assert after["rollouts"][0] == 1 and after["rollouts"][2] == n, after  # analysed: n rows known
         assert after["attempts"][0] == 0 and after["spans"][0] == 0, after  # below MIN_CHANGES: left alone
-        await store.dequeue_rollout(worker_id="w")
+        claimed = await store.dequeue_rollout(worker_id="w")
+        assert claimed is not None
         assert (await _table_stats(pg_backend.schema))["rollouts"][0] == 1  # no change of its size since
+        # The spans table: its key and filter columns (RUN_TABLES) are analysed once it is due.
+        rid, aid = claimed.rollout_id, claimed.attempt.attempt_id
+        await store.add_many_spans([make_span(rid, aid, k) for k in range(1, n + 1)])
+        reported = await _changes_reported(pg_backend.schema, "spans", n)
+        assert reported["spans"][:2] == (0, n), reported
+        await store.dequeue_rollout(worker_id="w")
+        after = await _table_stats(pg_backend.schema)
+        assert after["spans"][0] == 1 and after["spans"][2] == n, after
     finally:
         await store.close()
 
