@@ -18,6 +18,7 @@ from typing import Any
 
 from sqlalchemy import func, select, text
 
+from lightning_sql.store.sql import schema as s
 from lightning_sql.store.sql.engine import UnitContext
 
 # A table is analysed once it has changed by max(MIN_CHANGES, rows at the last analysis) rows.
@@ -28,18 +29,7 @@ MIN_CHANGES = 1000
 RUN_TABLES: dict[str, tuple[str, ...] | None] = {
     "attempts": None,
     "rollouts": None,
-    "spans": (
-        "run_id",
-        "rollout_id",
-        "attempt_id",
-        "sequence_id",
-        "trace_id",
-        "span_id",
-        "parent_id",
-        "name",
-        "start_time",
-        "end_time",
-    ),
+    "spans": tuple(c.name for c in s.spans.c if not isinstance(c.type, s.JsonValue)),
 }
 
 _DUE = text(
