@@ -84,5 +84,14 @@ async def pg_execute(url: str, sql: str) -> None:
         await conn.close()
 
 
+async def pg_fetch(url: str, sql: str, *args: object) -> list[asyncpg.Record]:
+    """The rows of one query with bound ``args``, on a connection of its own, as the URL's user."""
+    conn = await asyncpg.connect(_dsn(url), timeout=10)
+    try:
+        return await conn.fetch(sql, *args)
+    finally:
+        await conn.close()
+
+
 def drop_pg_schema(url: str, schema: str) -> None:
     asyncio.run(pg_execute(url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))

@@ -21,13 +21,13 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import asyncpg
 import pytest
 from sqlalchemy import event
 
 from lightning_sql import EnqueueRolloutRequest, SqlLightningStore
 from tests.conftest import PG_URL, BackendSpec
 from tests.contract.test_spans import make_span
+from tests.helpers import pg_execute, pg_fetch
 
 pytestmark = pytest.mark.postgres
 
@@ -59,12 +59,8 @@ async def _captured(
 
 async def _plan(schema: str, statement: str, parameters: Any) -> list[dict[str, Any]]:
     """Every node of the statement's plan (``EXPLAIN``, not run), after ``ANALYZE``."""
-    conn = await asyncpg.connect(PG_URL.replace("postgresql+asyncpg://", "postgresql://"))
-    try:
-        await conn.execute(f'ANALYZE "{schema}".rollouts, "{schema}".attempts, "{schema}".spans')
-        (raw,) = await conn.fetchrow("EXPLAIN (FORMAT JSON) " + statement, *parameters)
-    finally:
-        await conn.close()
+    await pg_execute(PG_URL, f'ANALYZE "{schema}".rollouts, "{schema}".attempts, "{schema}".spans')
+    ((raw,),) = await pg_fetch(PG_URL, "EXPLAIN (FORMAT JSON) " + statement, *parameters)
     nodes: list[dict[str, Any]] = []
     pending = [(json.loads(raw) if isinstance(raw, str) else raw)[0]["Plan"]]
     while pending:

@@ -11,13 +11,13 @@ from __future__ import annotations
 import asyncio
 import time
 
-import asyncpg
 import pytest
 
 from lightning_sql import EnqueueRolloutRequest, SqlLightningStore
 from lightning_sql.store.sql.planner_stats import MIN_CHANGES
 from tests.conftest import PG_URL, BackendSpec
 from tests.contract.test_spans import make_span
+from tests.helpers import pg_fetch
 
 pytestmark = pytest.mark.postgres
 
@@ -26,17 +26,14 @@ TABLES = ("rollouts", "attempts", "spans")
 
 async def _table_stats(schema: str) -> dict[str, tuple[int, int, float]]:
     """Per run table: (analyses so far, changes since the last one, rows the planner believes)."""
-    conn = await asyncpg.connect(PG_URL.replace("postgresql+asyncpg://", "postgresql://"))
-    try:
-        rows = await conn.fetch(
-            """SELECT t.relname, t.analyze_count, t.n_mod_since_analyze, c.reltuples
-               FROM pg_stat_user_tables t JOIN pg_class c ON c.oid = t.relid
-               WHERE t.schemaname = $1 AND t.relname = ANY($2::text[])""",
-            schema,
-            list(TABLES),
-        )
-    finally:
-        await conn.close()
+    rows = await pg_fetch(
+        PG_URL,
+        """SELECT t.relname, t.analyze_count, t.n_mod_since_analyze, c.reltuples
+           FROM pg_stat_user_tables t JOIN pg_class c ON c.oid = t.relid
+           WHERE t.schemaname = $1 AND t.relname = ANY($2::text[])""",
+        schema,
+        list(TABLES),
+    )
     return {r["relname"]: (r["analyze_count"], r["n_mod_since_analyze"], r["reltuples"]) for r in rows}
 
 
