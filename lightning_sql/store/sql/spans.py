@@ -12,7 +12,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Integer, Text, bindparam, case, func, select, tuple_, update
+from sqlalchemy import Integer, Text, and_, bindparam, case, func, select, tuple_, update
 from sqlalchemy.dialects.postgresql import ARRAY
 
 from lightning_sql.store.sql import dialect as d
@@ -144,17 +144,31 @@ def _bump_counters(ctx: UnitContext, run_id: int, counts: dict[str, int]) -> dic
 
 
 def _bump_counters_postgres() -> Any:
-    def amounts(name: str) -> Any:
-        table = (
-            func.unnest(
-                bindparam("s_ids", type_=ARRAY(s.IdText())), bindparam("s_counts", type_=ARRAY(Integer))
-            )
-            .table_valued("rid", "n")
-            .render_derived(name=name)
-        )
-        return table, table.c.rid, table.c.n
-
-    return _bump_from(amounts)
+    """``_bump_from`` on PostgreSQL, with the rollouts found through a MATERIALIZED CTE of their
+    keys ("Keyed UPDATEs" in ``dialect``'s docstring): with ``run_id = :run_id`` on the target, the
+    planner scanned the run's rollouts for every batch of a run it believed small."""
+    given = (
+        func.unnest(bindparam("s_ids", type_=ARRAY(s.IdText())), bindparam("s_counts", type_=ARRAY(Integer)))
+        .table_valued("rid", "n")
+        .render_derived(name="given")
+    )
+    keys = (
+        select(bindparam("s_run_id", type_=Integer).label("run_id"), given.c.rid, given.c.n)
+        .cte("keys")
+        .prefix_with("MATERIALIZED")
+    )
+    found = R.alias("found")
+    all_found = (
+        select(func.count())
+        .select_from(keys.join(found, and_(found.c.run_id == keys.c.run_id, found.c.rollout_id == keys.c.rid)))
+        .scalar_subquery()
+    )
+    return (
+        update(R)
+        .where(R.c.run_id == keys.c.run_id, R.c.rollout_id == keys.c.rid, all_found == bindparam("s_n"))
+        .values(span_seq=R.c.span_seq + keys.c.n)
+        .returning(R.c.rollout_id, R.c.span_seq)
+    )
 
 
 def _bump_counters_sqlite() -> Any:
