@@ -352,6 +352,14 @@ _PG_CATALOGUE_QUERIES = {
                cycle_option
         FROM information_schema.sequences WHERE sequence_schema = :schema""",
     "views": "SELECT viewname, definition FROM pg_views WHERE schemaname = :schema",
+    # Statistics targets other than the default (revision 0003: the columns ANALYZE never samples).
+    "statistics_targets": """
+        SELECT rel.relname, att.attname, att.attstattarget
+        FROM pg_attribute att
+        JOIN pg_class rel ON rel.oid = att.attrelid
+        JOIN pg_namespace ns ON ns.oid = rel.relnamespace
+        WHERE ns.nspname = :schema AND rel.relkind = 'r' AND att.attnum > 0 AND NOT att.attisdropped
+          AND att.attstattarget <> -1""",
 }
 
 
@@ -392,6 +400,9 @@ def test_catalogue_after_upgrade_equals_a_fresh_create(
     if database.dialect == "postgresql":
         assert any(row[0] == "lightning_sql_position_seq" for row in migrated["sequences"])
         assert ("attempts", "worker_id") in {(row[0], row[1]) for row in migrated["columns"] if row[6] == "C"}
+        assert migrated["statistics_targets"] == {
+            (table, column, 0) for table, columns in schema_module.UNSAMPLED_COLUMNS.items() for column in columns
+        }
 
 
 def test_upgrade_downgrade_upgrade(database: Database) -> None:
