@@ -57,9 +57,14 @@ async def _captured(
     return seen[0]
 
 
-async def _plan(schema: str, statement: str, parameters: Any) -> list[dict[str, Any]]:
-    """Every node of the statement's plan (``EXPLAIN``, not run), after ``ANALYZE``."""
+async def _analyze(schema: str) -> None:
     await pg_execute(PG_URL, f'ANALYZE "{schema}".rollouts, "{schema}".attempts, "{schema}".spans')
+
+
+async def _plan(schema: str, statement: str, parameters: Any, *, analyze: bool = True) -> list[dict[str, Any]]:
+    """Every node of the statement's plan (``EXPLAIN``, not run), after ``ANALYZE`` unless not."""
+    if analyze:
+        await _analyze(schema)
     ((raw,),) = await pg_fetch(PG_URL, "EXPLAIN (FORMAT JSON) " + statement, *parameters)
     nodes: list[dict[str, Any]] = []
     pending = [(json.loads(raw) if isinstance(raw, str) else raw)[0]["Plan"]]
@@ -116,3 +121,95 @@ async def test_a_batch_statement_updates_its_rows_by_key(pg_backend: BackendSpec
         assert _scans_of_the_run(nodes) == []
     finally:
         await store.close()
+
+
+# -- a new run in tables analysed before it existed ------------------------------------------------
+
+
+async def _statements_of(store: SqlLightningStore, calls: Callable[[], Awaitable[Any]]) -> list[tuple[str, Any]]:
+    """Every statement ``calls`` ran, with its parameters."""
+    engine = store._worker.engine_for_this_loop()  # type: ignore[union-attr]
+    seen: list[tuple[str, Any]] = []
+
+    def before(
+        conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, executemany: bool
+    ) -> None:
+        if not executemany:
+            seen.append((statement, parameters))
+
+    event.listen(engine, "before_cursor_execute", before)
+    try:
+        await calls()
+    finally:
+        event.remove(engine, "before_cursor_execute", before)
+    return seen
+
+
+def _reads_beyond_the_keys(nodes: list[dict[str, Any]]) -> list[str]:
+    """The nodes that read rollouts, attempts or spans other than through a rollout's key, or the
+    head of the queue index (the claim)."""
+    bad = []
+    for n in nodes:
+        relation, index = n.get("Relation Name"), n.get("Index Name")
+        kind = n["Node Type"]
+        if kind in ("ModifyTable", "Bitmap Heap Scan", "LockRows") or (relation or "") not in (
+            "rollouts",
+            "attempts",
+            "spans",
+            "",
+        ):
+            continue
+        if relation is None and index is None:
+            continue
+        cond = str(n.get("Index Cond", ""))
+        if kind in ("Index Scan", "Index Only Scan", "Bitmap Index Scan") and (
+            "rollout_id" in cond or index == "ix_rollouts_queue"
+        ):
+            continue
+        if index is not None and not index.startswith(("pk_", "uq_", "ix_")):
+            continue  # an index of another table (runs, workers)
+        bad.append(f"{kind} on {relation or ''} ({index}: {cond or n.get('Filter')})")
+    return bad
+
+
+async def test_a_new_run_in_tables_analysed_before_it_finds_its_rows_by_key(pg_backend: BackendSpec) -> None:
+    """Tables analysed while holding an older run (as autovacuum or the store's own ANALYZE leave
+    them): every statement of a new run's lifecycle still reads its rows by key.  With ``run_id``
+    sampled (before revision 0003) the planner took the new run for an empty one and read it
+    through ``ix_rollouts_run_id_status`` instead (docs/performance.md, fifteenth pass)."""
+    assert pg_backend.schema is not None
+    old = pg_backend.open(run="old", analyze_check_seconds=None)
+    new = pg_backend.open(run="new", analyze_check_seconds=None, scan_debounce_seconds=3600)
+    try:
+        await old.enqueue_many_rollouts([EnqueueRolloutRequest(input={"i": i}) for i in range(ROLLOUTS)])
+        old_spans = [make_span(c.rollout_id, c.attempt.attempt_id, 1) for c in await old.dequeue_many_rollouts(limit=ROLLOUTS)]
+        for start in range(0, ROLLOUTS, 500):
+            await old.add_many_spans(old_spans[start : start + 500])
+        await _analyze(pg_backend.schema)  # the statistics know of the old run only
+        await new.enqueue_many_rollouts([EnqueueRolloutRequest(input={"i": i}) for i in range(ROLLOUTS)])
+        await new.dequeue_many_rollouts(limit=ROLLOUTS // 2, worker_id="w")  # the new run holds 2,000 rows
+
+        async def lifecycle() -> None:
+            claimed = [await new.dequeue_rollout(worker_id=f"w-{i}") for i in range(CALLERS)]
+            pairs = [(c.rollout_id, c.attempt.attempt_id) for c in claimed if c is not None]
+            await _reserve_each(new, pairs)
+            await _add_one_span_each(new, pairs)
+            rid, aid = pairs[0]
+            await new.get_many_span_sequence_ids([(rid, aid)] * 2)
+            await new.add_many_spans([make_span(rid, aid, 10), make_span(rid, aid, 11)])
+            await new.touch_attempt(rid, aid)
+            await asyncio.gather(*(new.update_attempt(r, a, status="succeeded") for r, a in pairs))
+            await new.get_rollout_by_id(rid)
+            await new.query_spans(rid, "latest")
+
+        await new.statistics()  # the lazy sweep runs here, outside the captured calls
+        statements = await _statements_of(new, lifecycle)
+        assert len(statements) >= 8
+        problems = []
+        for statement, parameters in statements:
+            nodes = await _plan(pg_backend.schema, statement, parameters, analyze=False)
+            problems += [f"{found}\n    in {statement[:160]}" for found in _reads_beyond_the_keys(nodes)]
+        assert problems == []
+    finally:
+        await old.close()
+        await new.close()
