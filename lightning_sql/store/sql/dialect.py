@@ -11,7 +11,10 @@ that starts with ``run_id`` and filter them, and it takes that plan whenever it 
 small: always for a new run in a table analysed before the run existed, and for every run while a
 table has no statistics (``run_id`` is never sampled, migration 0003: it assumes 0.5% of the
 table).  Through the CTE it sees no condition on the target of its own: its only choices are a
-look-up per key or a scan of the whole table, which it costs by the table's real size.
+look-up per key or a scan of the whole table, which it costs by the table's real size.  The CTE of
+the keys ends in ``LIMIT :n``, ``n`` being the number of keys it holds (so it drops none): a generic
+plan cannot know the length of an array parameter and counts on 10 keys, for which a scan of a
+table of a few thousand rows looks cheaper than the look-ups; with the LIMIT it counts on one.
 """
 
 from __future__ import annotations
@@ -510,6 +513,7 @@ def _span_ingest_many_statement() -> Any:
             .table_valued("rollout_id", "attempt_id")
             .render_derived(name="pairs")
         )
+        .limit(bindparam("sm_groups", type_=Integer))  # every pair: see "Keyed UPDATEs"
         .cte("wanted")
     )
     # Each row is locked through its key, in lock order: a LATERAL look-up per wanted row (its LIMIT

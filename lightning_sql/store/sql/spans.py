@@ -154,6 +154,7 @@ def _bump_counters_postgres() -> Any:
     )
     keys = (
         select(bindparam("s_run_id", type_=Integer).label("run_id"), given.c.rid, given.c.n)
+        .limit(bindparam("s_n", type_=Integer))  # every key: "Keyed UPDATEs" again
         .cte("keys")
         .prefix_with("MATERIALIZED")
     )
