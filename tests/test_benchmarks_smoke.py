@@ -21,6 +21,7 @@ from benchmarks.workloads import (
     p0_readback,
     readback_spans,
 )
+from tests.conftest import BackendSpec
 
 TINY = dataclasses.replace(SIZES["small"], lifecycle_n=20, spans_per_rollout=3, dequeue_n=40, readback_rollouts=12)
 
@@ -131,4 +132,14 @@ async def test_growth_diagnostic_runs_its_phases_and_checks_them(batch: bool) ->
 
     results = await growth.run("sqlite", analyze=True, phases=2, per_phase=8, runners=3, batch=batch)
     assert [size for size, _rate, _problems in results] == [8, 16]
+    assert all(rate > 0 and problems == [] for _size, rate, problems in results)
+
+
+@pytest.mark.postgres
+async def test_growth_diagnostic_after_an_earlier_run(pg_backend: BackendSpec) -> None:
+    """(``pg_backend``: PostgreSQL must answer; the benchmark makes its own schema.)"""
+    from benchmarks import growth
+
+    results = await growth.run("postgres", analyze=True, after_run=12, phases=1, per_phase=8, runners=3, batch=False)
+    assert [size for size, _rate, _problems in results] == [8]  # the earlier run is not counted
     assert all(rate > 0 and problems == [] for _size, rate, problems in results)
