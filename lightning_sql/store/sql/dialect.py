@@ -185,6 +185,7 @@ def _claim_statement(returning: Sequence[Any], *, with_worker: bool, per_attempt
         .limit(bindparam("claim_limit", type_=Integer))
         .with_for_update(skip_locked=True)
         .cte("picked")
+        .prefix_with("MATERIALIZED")  # the claimed rows' keys ("Keyed UPDATEs")
     )
     claimed = (
         update(R)

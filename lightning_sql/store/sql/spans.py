@@ -183,7 +183,8 @@ def _bump_counters_sqlite() -> Any:
 def _bump_from(amounts: Any) -> Any:
     """UPDATE every rollout that ``amounts(name)`` (a table of rollout ids and amounts: ``(table,
     id column, amount column)``) names by its amount, when all of them exist.  Each rollout is found
-    by its key (``IN``, and its amount by a correlated look-up), never by scanning the run."""
+    by its key (``IN``, and its amount by a correlated look-up).  SQLite's form: on PostgreSQL the
+    planner may read the run for it (``_bump_counters_postgres``)."""
     _moving, moving_id, _amount = amounts("moving")
     _by, by_id, by_amount = amounts("amount")
     _wanted, wanted_id, _n = amounts("wanted")
