@@ -34,17 +34,15 @@ ROLLOUTS = 2000  # enough for a scan of the run to cost more than a key look-up 
 CALLERS = 8
 
 
-async def _captured(
-    store: SqlLightningStore, marker: str, calls: Callable[[], Awaitable[Any]]
-) -> tuple[str, Any]:
-    """The one statement containing ``marker`` that ``calls`` ran, with its parameters."""
+async def _statements_of(store: SqlLightningStore, calls: Callable[[], Awaitable[Any]]) -> list[tuple[str, Any]]:
+    """Every statement ``calls`` ran, with its parameters."""
     engine = store._worker.engine_for_this_loop()  # type: ignore[union-attr]
     seen: list[tuple[str, Any]] = []
 
     def before(
         conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, executemany: bool
     ) -> None:
-        if marker in statement:
+        if not executemany:
             seen.append((statement, parameters))
 
     event.listen(engine, "before_cursor_execute", before)
@@ -52,6 +50,14 @@ async def _captured(
         await calls()
     finally:
         event.remove(engine, "before_cursor_execute", before)
+    return seen
+
+
+async def _captured(
+    store: SqlLightningStore, marker: str, calls: Callable[[], Awaitable[Any]]
+) -> tuple[str, Any]:
+    """The one statement containing ``marker`` that ``calls`` ran, with its parameters."""
+    seen = [(sql, params) for sql, params in await _statements_of(store, calls) if marker in sql]
     assert len(seen) == 1, [s for s, _p in seen]
     return seen[0]
 
@@ -123,25 +129,6 @@ async def test_a_batch_statement_updates_its_rows_by_key(pg_backend: BackendSpec
 
 
 # -- a new run in tables analysed before it existed ------------------------------------------------
-
-
-async def _statements_of(store: SqlLightningStore, calls: Callable[[], Awaitable[Any]]) -> list[tuple[str, Any]]:
-    """Every statement ``calls`` ran, with its parameters."""
-    engine = store._worker.engine_for_this_loop()  # type: ignore[union-attr]
-    seen: list[tuple[str, Any]] = []
-
-    def before(
-        conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, executemany: bool
-    ) -> None:
-        if not executemany:
-            seen.append((statement, parameters))
-
-    event.listen(engine, "before_cursor_execute", before)
-    try:
-        await calls()
-    finally:
-        event.remove(engine, "before_cursor_execute", before)
-    return seen
 
 
 def _reads_beyond_the_keys(nodes: list[dict[str, Any]]) -> list[str]:
