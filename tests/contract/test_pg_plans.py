@@ -164,7 +164,7 @@ async def test_a_new_run_in_tables_analysed_before_it_finds_its_rows_by_key(pg_b
     sampled (before revision 0003) the planner took the new run for an empty one and read it
     through ``ix_rollouts_run_id_status`` instead (docs/performance.md, fifteenth pass)."""
     assert pg_backend.schema is not None
-    old = pg_backend.open(run="old", analyze_check_seconds=0)
+    old = pg_backend.open(run="old", analyze_check_seconds=None)
     new = pg_backend.open(run="new", analyze_check_seconds=None, scan_debounce_seconds=3600)
     try:
         await old.enqueue_many_rollouts([EnqueueRolloutRequest(input={"i": i}) for i in range(ROLLOUTS)])
