@@ -78,13 +78,15 @@ def upgrade() -> None:
             key = {"schema": where, "table": name, "column": column}
             if bind.execute(_HAS_STATISTICS, key).scalar():
                 if not superuser:
+                    preparer = bind.dialect.identifier_preparer
+                    table = f"{preparer.quote_schema(where)}.{preparer.quote(name)}"
                     logger.warning(
-                        "%s.%s.%s keeps the statistics of its last ANALYZE, which a role that is not a "
-                        "superuser cannot clear; a superuser finishes revision 0003 with: DELETE FROM "
-                        "pg_statistic WHERE starelid = '%s.%s'::regclass AND staattnum = (SELECT attnum "
-                        "FROM pg_attribute WHERE attrelid = '%s.%s'::regclass AND attname = '%s'); "
-                        "ALTER TABLE %s.%s ALTER COLUMN %s SET STATISTICS 0",
-                        *(where, name, column), *(where, name), *(where, name, column), *(where, name, column),
+                        "%s.%s keeps the statistics of its last ANALYZE, which a role that is not a superuser "
+                        "cannot clear; a superuser finishes revision 0003 with: DELETE FROM pg_statistic WHERE "
+                        "starelid = '%s'::regclass AND staattnum = (SELECT attnum FROM pg_attribute WHERE "
+                        "attrelid = '%s'::regclass AND attname = '%s'); ALTER TABLE %s ALTER COLUMN %s "
+                        "SET STATISTICS 0",
+                        *(table, column, table, table, column, table, preparer.quote(column)),
                     )
                     continue
                 bind.execute(_DELETE_STATISTICS, key)
