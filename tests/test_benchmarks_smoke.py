@@ -143,3 +143,17 @@ async def test_growth_diagnostic_after_an_earlier_run(pg_backend: BackendSpec) -
     results = await growth.run("postgres", analyze=True, after_run=12, phases=1, per_phase=8, runners=3, batch=False)
     assert [size for size, _rate, _problems in results] == [8]  # the earlier run is not counted
     assert all(rate > 0 and problems == [] for _size, rate, problems in results)
+
+
+@pytest.mark.postgres
+async def test_cookbook_plans_diagnostic_times_every_block_both_ways(pg_backend: BackendSpec) -> None:
+    """(``pg_backend``: PostgreSQL must answer; the diagnostic makes and drops its own schema.)"""
+    from benchmarks import cookbook_plans
+    from tests.analysis.test_cookbook import BLOCKS
+
+    sizes, results = await cookbook_plans.run(samples=6, repeat=2)
+    assert sizes["rollouts"] > 12 and sizes["spans"] > 0
+    assert set(results) == {b for b, dialect, _ in BLOCKS if dialect in ("both", "postgresql")}
+    assert all(set(ms) == {"unsampled", "sampled", "same plan"} and min(ms.values()) >= 0 for ms in results.values())
+    lines = cookbook_plans.report(sizes, results)
+    assert lines[-1].startswith("total") and len(lines) == len(results) + 3
