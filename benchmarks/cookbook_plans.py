@@ -1,6 +1,6 @@
 """The cookbook's queries on one big run, with ``run_id`` unsampled (revision 0003) and sampled.
 
-``python -m benchmarks.cookbook_plans [--samples 3000] [--repeat 3]``  (PostgreSQL, superuser)
+``python -m benchmarks.cookbook_plans [--samples 3000] [--repeat 5]``  (PostgreSQL, superuser)
 
 Revision 0003 leaves ``run_id`` (and ``rollouts.queue_seq``) out of ANALYZE so that the store's
 statements never plan a new run as empty (ADR 0007).  The price is that a query filtering by run is
@@ -76,6 +76,13 @@ async def _analyse_with(conn: Any, schema: str, target: int) -> None:
         schema,
     )
     await conn.execute("ANALYZE " + ", ".join(f'"{schema}"."{t}"' for t in TABLES))
+    sampled = await conn.fetchval(
+        "SELECT count(*) FROM pg_catalog.pg_stats WHERE schemaname = $1 AND tablename = ANY($2) AND attname = 'run_id'",
+        schema,
+        list(UNSAMPLED_COLUMNS),
+    )
+    if bool(sampled) != (target != 0):  # the comparison is only worth something if the setting took
+        raise RuntimeError(f"statistics target {target}: {sampled} of the tables of UNSAMPLED_COLUMNS have run_id statistics")
 
 
 async def run(samples: int, repeat: int) -> tuple[dict[str, int], dict[str, dict[str, float]]]:
