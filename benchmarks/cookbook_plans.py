@@ -26,7 +26,7 @@ from typing import Any
 
 import asyncpg
 
-from benchmarks.targets import pg_dsn, pg_url
+from benchmarks.targets import drop_schema, pg_dsn, pg_url
 from lightning_sql import SqlLightningStore
 from lightning_sql.store.sql.schema import UNSAMPLED_COLUMNS
 
@@ -114,8 +114,8 @@ async def run(samples: int, repeat: int) -> tuple[dict[str, int], dict[str, dict
         }
         return sizes, out
     finally:
-        await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
         await conn.close()
+        await drop_schema(schema)
 
 
 def report(sizes: dict[str, int], results: dict[str, dict[str, float]]) -> list[str]:
