@@ -62,11 +62,14 @@ def expire_leases(ctx: UnitContext, run_id: int | None, now: float) -> int:
             and_(A.c.run_id == R.c.run_id, A.c.rollout_id == R.c.rollout_id, A.c.sequence_id == R.c.attempt_count),
         )
         .where(*where)
-        .order_by(R.c.run_id, R.c.rollout_id)
     )
     if ctx.dialect == "postgresql":
         stmt = stmt.with_for_update(of=R, skip_locked=True)
-    hits = ctx.execute(stmt).all()
+    # Sorted here, not by the statement: an ORDER BY on the primary key lets the planner walk the run
+    # in key order and filter on the status, reading every rollout of the run per sweep, where the
+    # (run_id, status) index reads only the ones in flight (ADR 0007; SKIP LOCKED never waits, so the
+    # order the rows are locked in cannot deadlock).
+    hits = sorted(ctx.execute(stmt).all(), key=lambda hit: (hit.run_id, hit.rollout_id))
     if not hits:
         return 0
 
