@@ -503,13 +503,18 @@ def _readback_measurement(count: int, spans_each: int, elapsed: float, problems:
     return Measurement({"rollouts/s": count / elapsed, "spans/s": count * spans_each / elapsed}, problems)
 
 
-async def readback_spans(target: Target, size: Size) -> Measurement:
-    """``query_spans(rid, "latest")`` for every rollout of a run with 10 spans per rollout."""
+async def readback_spans(target: Target, size: Size, *, use_fields: bool = False) -> Measurement:
+    """``query_spans(rid, "latest")`` for every rollout of a run with 10 spans per rollout; with
+    ``use_fields``, the caller also reads every span's JSON-held fields (attributes, status, events,
+    links, context, resource), which the store decodes only when they are read."""
     ids, problems = await _readback_setup(target, size)
     s = size.spans_per_rollout
     started = time.perf_counter()
     for rid in ids:
         spans = await target.store.query_spans(rid, "latest")
+        if use_fields:
+            for sp in spans:
+                sp.attributes, sp.status, sp.events, sp.links, sp.context, sp.resource  # noqa: B018
         problem = check_span_order(spans, s, rid)
         if problem and len(problems) < 5:
             problems.append(problem)
@@ -736,6 +741,14 @@ def cases(size: Size) -> dict[str, list[Case]]:
                 "W6",
                 f"query_spans x{size.readback_rollouts}",
                 readback_spans,
+                (*SQL, "B1", "P0-sqlite", "P0-postgres"),
+                ("B1", "P0"),
+                p0=p0_readback,
+            ),
+            Case(
+                "W6",
+                f"query_spans x{size.readback_rollouts}, every span's fields read",
+                bind(readback_spans, use_fields=True),
                 (*SQL, "B1", "P0-sqlite", "P0-postgres"),
                 ("B1", "P0"),
                 p0=p0_readback,

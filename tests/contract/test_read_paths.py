@@ -204,9 +204,19 @@ def _deep_state(model: Any) -> Any:
     return [(name, inner(value)) for name, value in values], fields_set, extra, private
 
 
+def _decoded_span_row(row: Any) -> dict[str, Any]:
+    """A read-back's span row (JSON columns as text) as a mapping of decoded columns."""
+    values = dict(rows_module._mapping(row))
+    for name in rows_module.SPAN_JSON_FIELDS:
+        if values[name] is not None:
+            values[name] = json.loads(values[name])
+    return values
+
+
 async def test_span_rows_build_what_the_general_path_builds(store: SqlLightningStore) -> None:
-    """``span_from_row`` assembles a usual span row directly; the result must be the general path's
-    (``construct`` per model) in every detail, on every backend (JSONB reorders keys)."""
+    """A read-back's span (``deferred_span_from_row``, built on first use by ``span_from_row``'s
+    direct assembly) must be the general path's (``construct`` per model) in every detail, on every
+    backend (JSONB reorders keys)."""
     ar = await store.start_rollout({"q": 1})
     rid, aid = ar.rollout_id, ar.attempt.attempt_id
     plain = make_span(rid, aid, 1)
@@ -229,7 +239,7 @@ async def test_span_rows_build_what_the_general_path_builds(store: SqlLightningS
     await store.add_many_spans([plain, rich, bare])
 
     captured: list[Any] = []
-    real = rows_module.span_from_row
+    real = rows_module.deferred_span_from_row
 
     def capture(row: Any) -> Any:
         captured.append(row)
@@ -242,24 +252,25 @@ async def test_span_rows_build_what_the_general_path_builds(store: SqlLightningS
         general_calls.append(m)
         return general(m)
 
-    spans_module.span_from_row = capture  # type: ignore[assignment]
+    spans_module.deferred_span_from_row = capture  # type: ignore[assignment]
     rows_module._span_from_mapping = count_general  # type: ignore[assignment]
     try:
         got = list(await store.query_spans(rid))
+        assert [s.sequence_id for s in got] == [1, 2, 3]
+        assert got == [plain, rich, bare]  # every span built on first use, here
     finally:
-        spans_module.span_from_row = real  # type: ignore[assignment]
+        spans_module.deferred_span_from_row = real  # type: ignore[assignment]
         rows_module._span_from_mapping = general  # type: ignore[assignment]
     assert general_calls == []  # the usual rows took the direct path
-    assert [s.sequence_id for s in got] == [1, 2, 3]
-    assert got == [plain, rich, bare]
     for row, span in zip(captured, got, strict=True):
-        built = general(rows_module._mapping(row))
+        assert type(span) is Span
+        built = general(_decoded_span_row(row))
         assert _deep_state(span) == _deep_state(built)
         assert repr(span) == repr(built)
         assert span.model_dump() == built.model_dump()
     assert got[1].model_extra == {"extra_field": {"nested": [1, {"x": "y"}]}, "flag": True}
     # Rows of another shape (a plain mapping, extra fields missing) take the general path.
-    as_dict = dict(rows_module._mapping(captured[0]))
+    as_dict = _decoded_span_row(captured[0])
     assert _deep_state(rows_module.span_from_row(as_dict)) == _deep_state(got[0])
 
 

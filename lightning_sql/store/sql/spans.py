@@ -19,7 +19,7 @@ from lightning_sql.store.sql import dialect as d
 from lightning_sql.store.sql import filters as f
 from lightning_sql.store.sql import schema as s
 from lightning_sql.store.sql.engine import UnitContext
-from lightning_sql.store.sql.rows import span_from_row
+from lightning_sql.store.sql.rows import deferred_span_from_row, span_read_columns
 from lightning_sql.store.sql.statements import cached
 from lightning_sql.types import QUEUED_STATUSES, PaginatedResult, Span, check_text
 from lightning_sql.types.jsonvalue import encode_json
@@ -490,7 +490,7 @@ def _span_query(ctx: UnitContext, shape: tuple[Any, ...]) -> tuple[Any, Any]:
             conditions.append(d.contains(ctx, S.c[name], bindparam(f"q_{name}_contains")) if ok else f.false())
     where = [*must, f.pool(conditions, logic)]
     page = (
-        select(*[c for c in S.c if c.name != "run_id"])
+        select(*span_read_columns(ctx.dialect))  # the JSON columns as text, decoded by each span on first use
         .where(*where)
         .order_by(*f.order_by(f.SPAN_SORT, sort_by, sort_order))
     )
@@ -545,4 +545,4 @@ def query_spans(
         if ok:
             params[f"q_{name}_contains"] = contains[name]
     rows, total = f.fetch_page(ctx, page, count, params, limit, offset)
-    return PaginatedResult(items=[span_from_row(r) for r in rows], limit=limit, offset=offset, total=total)
+    return PaginatedResult(items=[deferred_span_from_row(r) for r in rows], limit=limit, offset=offset, total=total)
