@@ -18,7 +18,7 @@ from sqlalchemy import Row, Text, cast, type_coerce
 
 from lightning_sql.store.sql import schema as s
 from lightning_sql.store.sql.engine import EncodedJson
-from lightning_sql.store.sql.fastexec import loads_json
+from lightning_sql.store.sql.fastexec import _FAST_REFUSES, _parse_json, loads_json
 from lightning_sql.types import (
     Attempt,
     AttemptedRollout,
@@ -413,39 +413,27 @@ def span_values(span: Span, run_id: int) -> dict[str, Any]:
 
 
 _SPAN_FIELDS = tuple(Span.__pydantic_fields__)
-# The columns of a span row in the order of the Span model's fields (bar the three kept in "extra").
-_span_columns = operator.attrgetter(
-    *(name for name in _SPAN_FIELDS if name not in ("status", "context", "parent"))
-)
+# The columns of a span row: the plain ones (``_SPAN_COLUMN_FIELDS``), then the JSON ones.
+SPAN_JSON_FIELDS = ("attributes", "events", "links", "resource", "extra")
+_span_columns = operator.attrgetter(*_SPAN_COLUMN_FIELDS, *SPAN_JSON_FIELDS)
 _SPAN_EXTRA_FIELDS = frozenset(("status", "context", "parent"))
 _SPAN_FAST = _constructor(Span).fast and Span.model_config.get("extra") == "allow"
 _SPAN_NAMES = frozenset(_SPAN_FIELDS)
 _adopt_status, _adopt_context, _adopt_resource = adopter(TraceStatus), adopter(SpanContext), adopter(OtelResource)
 
 
-def span_from_row(row: Row[Any] | Any) -> Span:
-    """The span of a stored row, built without validation: every stored value passed the model's
-    validation on its way in (``span_values``), so it rebuilds what ``model_construct`` would build
-    from the stored fields, for a fraction of ``model_validate``'s cost (read-back is a hot path: W1
-    and W6 of the benchmarks).  A row of the usual shape (attribute access, the three model fields
-    kept in ``extra`` present) is assembled directly; anything else takes ``_span_from_mapping``."""
-    try:
-        columns = _span_columns(row)
-        extra = row.extra
-    except AttributeError:
-        return _span_from_mapping(_mapping(row))
-    built = _span_state(columns, extra)
-    if built is None:
-        return _span_from_mapping(_mapping(row))
-    return _bare(Span, built[0], _SPAN_NAMES, built[1])  # type: ignore[no-any-return]
-
-
-def _span_state(columns: tuple[Any, ...], extra: Any) -> tuple[dict[str, Any], dict[str, Any]] | None:
-    """A span's ``__dict__`` and extras from its decoded columns (``_span_columns``' order) and its
-    decoded ``extra`` column; None when the row is not of the usual shape (``_span_from_mapping``)."""
+def _span_state(
+    plain: tuple[Any, ...], attributes: Any, events: Any, links: Any, resource: Any, extra: Any
+) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """A span's ``__dict__`` and extras, built without validation, from its plain columns
+    (``_SPAN_COLUMN_FIELDS``' order) and its decoded JSON columns: every stored value passed the
+    model's validation on its way in (``span_values``), so this rebuilds what ``model_construct``
+    would build from the stored fields, for a fraction of ``model_validate``'s cost (read-back is a
+    hot path: W1 and W6 of the benchmarks).  None when the row is not of the usual shape (the three
+    model fields kept in ``extra`` present): ``_span_from_mapping`` builds those."""
     if not _SPAN_FAST or not extra or not _SPAN_EXTRA_FIELDS <= extra.keys():
         return None
-    (rid, aid, seq, tid, sid, pid, name, attributes, events, links, start, end, resource) = columns
+    rid, aid, seq, tid, sid, pid, name, start, end = plain
     context, parent = extra["context"], extra["parent"]
     data = {
         "rollout_id": rid,
@@ -470,7 +458,8 @@ def _span_state(columns: tuple[Any, ...], extra: Any) -> tuple[dict[str, Any], d
 
 
 def _span_from_mapping(m: Any) -> Span:
-    """``span_from_row`` for any row shape: the stored fields through ``construct``."""
+    """A span of any row shape (a mapping of its columns, JSON decoded): the stored fields through
+    ``construct``."""
     data: dict[str, Any] = dict(m["extra"] or {})
     for name in _SPAN_COLUMN_FIELDS:
         data[name] = m[name]
@@ -493,8 +482,6 @@ def _link(stored: dict[str, Any]) -> Link:
 
 # --- spans read back with their JSON decoded on first use ---------------------------------------
 
-SPAN_JSON_FIELDS = ("attributes", "events", "links", "resource", "extra")
-
 
 def span_read_columns(dialect: str) -> list[Any]:
     """The columns of a span read-back, its JSON columns as text: on SQLite the stored text itself
@@ -506,30 +493,21 @@ def span_read_columns(dialect: str) -> list[Any]:
     ]
 
 
-_plain_columns = operator.attrgetter(*_SPAN_COLUMN_FIELDS)
-_json_columns = operator.attrgetter(*SPAN_JSON_FIELDS)
-_PLAIN_FIELDS = frozenset(_SPAN_COLUMN_FIELDS)
+# A deferred span's plain field -> its place in the span's columns (``_span_columns``' order).
+_PLAIN_INDEX = {name: index for index, name in enumerate(_SPAN_COLUMN_FIELDS)}
+_PLAIN_COUNT = len(_SPAN_COLUMN_FIELDS)
 _get = object.__getattribute__
 _realize_lock = threading.Lock()
-
-
-class _JsonTexts:
-    """The JSON texts of a deferred span's columns (``SPAN_JSON_FIELDS``' order), as read."""
-
-    __slots__ = ("texts",)
-
-    def __init__(self, texts: tuple[Any, ...]) -> None:
-        self.texts = texts
 
 
 class DeferredSpan(Span):
     """A span read back whose JSON columns are decoded when it is first used.
 
-    It holds the plain columns (``_SPAN_COLUMN_FIELDS``: ids, name, times) as fields and the JSON
-    columns' texts aside (in ``__pydantic_private__``, which a span otherwise leaves None).  Reading
-    a plain field answers from the fields; any other attribute access (a JSON field, a method,
+    It holds its row's columns (``_span_columns``: the plain ones, ids, name and times, then the
+    JSON texts) as a tuple in ``__pydantic_private__`` (which a span otherwise leaves None), and an
+    empty ``__dict__``.  Reading a plain field answers from the tuple; any other attribute access (a JSON field, a method,
     ``__dict__``, ``__class__``; pydantic's serializer, ``==``, copy and pickle all read through
-    attribute access) first decodes the texts, builds what ``span_from_row`` builds, and turns the
+    attribute access) first decodes the texts, builds the span's state (``_span_state``), and turns the
     object into a plain ``Span`` (``__class__`` assignment: same layout), which it then stays.  So a
     caller that only looks at ids, names and order (a trace's structure, the benchmarks' read-back
     checks) never pays for decoding attributes, and one that reads everything pays what it paid
@@ -537,8 +515,9 @@ class DeferredSpan(Span):
     a stored value that does not decode raises on first use instead of in ``query_spans``."""
 
     def __getattribute__(self, name: str) -> Any:
-        if name in _PLAIN_FIELDS:
-            return _get(self, "__dict__")[name]
+        index = _PLAIN_INDEX.get(name)
+        if index is not None:
+            return _get(self, "__pydantic_private__")[index]
         _realize(self)
         return _get(self, name)
 
@@ -549,16 +528,25 @@ def _realize(span: Any) -> None:
     with _realize_lock:
         if type(span) is not DeferredSpan:
             return
-        texts = _get(span, "__pydantic_private__")
-        if type(texts) is _JsonTexts:
-            plain = _get(span, "__dict__")
-            decoded = [None if text is None else loads_json(text) for text in texts.texts]
-            attributes, events, links, resource, extra = decoded
-            columns = (*(plain[name] for name in _SPAN_COLUMN_FIELDS[:7]), attributes, events, links)
-            columns += (plain["start_time"], plain["end_time"], resource)
-            state = _span_state(columns, extra)
-            if state is None:
-                full = _span_from_mapping({**plain, **dict(zip(SPAN_JSON_FIELDS, decoded, strict=True))})
+        columns = _get(span, "__pydantic_private__")
+        if type(columns) is tuple:
+            plain = columns[:_PLAIN_COUNT]
+            attributes, events, links, resource, extra = columns[_PLAIN_COUNT:]
+            try:  # the fast parser straight (five calls per span), else the standard path for all
+                attributes = None if attributes is None else _parse_json(attributes)
+                events = None if events is None else _parse_json(events)
+                links = None if links is None else _parse_json(links)
+                resource = None if resource is None else _parse_json(resource)
+                extra = None if extra is None else _parse_json(extra)
+            except _FAST_REFUSES:
+                attributes, events, links, resource, extra = (
+                    None if text is None else loads_json(text) for text in columns[_PLAIN_COUNT:]
+                )
+            state = _span_state(plain, attributes, events, links, resource, extra)
+            if state is None:  # not the usual shape: the general path
+                values = dict(zip(_SPAN_COLUMN_FIELDS, plain, strict=True))
+                values.update(attributes=attributes, events=events, links=links, resource=resource, extra=extra)
+                full = _span_from_mapping(values)
                 state = (full.__dict__, full.__pydantic_extra__ or {})
             _set_dict(span, "__dict__", state[0])
             _set_fields_set(span, set(_SPAN_NAMES))
@@ -569,17 +557,21 @@ def _realize(span: Any) -> None:
 
 def deferred_span_from_row(row: Any) -> Span:
     """The span of a row read through ``span_read_columns`` (its JSON columns as text): a
-    ``DeferredSpan``, or, where spans cannot be assembled directly (``_SPAN_FAST``), the span
-    ``span_from_row`` builds from the decoded row."""
-    if not _SPAN_FAST:
+    ``DeferredSpan``; where spans are not assembled directly (``_SPAN_FAST``, a row without
+    attribute access), the span ``_span_from_mapping`` builds from the decoded row."""
+    try:
+        columns = _span_columns(row) if _SPAN_FAST else None
+    except AttributeError:
+        columns = None
+    if columns is None:
         values = dict(_mapping(row))
         for name in SPAN_JSON_FIELDS:
             if values[name] is not None:
                 values[name] = loads_json(values[name])
         return _span_from_mapping(values)
     span = _new(DeferredSpan)
-    _set_dict(span, "__dict__", dict(zip(_SPAN_COLUMN_FIELDS, _plain_columns(row), strict=True)))
+    _set_dict(span, "__dict__", {})
     _set_fields_set(span, set())
     _set_extra(span, None)
-    _set_private(span, _JsonTexts(_json_columns(row)))
+    _set_private(span, columns)
     return span  # type: ignore[no-any-return]
