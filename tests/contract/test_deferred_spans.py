@@ -155,3 +155,19 @@ async def test_a_stored_value_that_does_not_decode_raises_on_first_use(store: Sq
     with pytest.raises(ValueError):
         _ = got.attributes
     assert type(got) is DeferredSpan and got.span_id == want.span_id
+
+
+async def test_a_row_of_another_shape_takes_the_general_path(store: SqlLightningStore) -> None:
+    """A row whose ``extra`` lacks one of the model fields kept there (written by hand, or by an
+    older writer) is built by ``_span_from_mapping``, as an eagerly read span was."""
+    want = await _rich_span(store)
+    status = {"status_code": "ERROR", "description": "boom"}
+
+    def reshape(ctx: Any, run_id: int, _now: float) -> None:
+        ctx.execute(update(s.spans).where(s.spans.c.run_id == run_id).values(extra={"status": status, "k": 1}))
+
+    await store._call("test", reshape, write=True)
+    got = await _read_back(store, want.rollout_id)
+    assert got.status == TraceStatus(**status) and type(got) is Span
+    assert got.model_extra == {"k": 1} and got.attributes == want.attributes
+    assert "context" not in vars(got)  # as model_construct leaves a required field it was not given
