@@ -501,18 +501,19 @@ _realize_lock = threading.Lock()
 
 
 class DeferredSpan(Span):
-    """A span read back whose JSON columns are decoded when it is first used.
+    """A span read back whose JSON columns are decoded when it is first used (ADR 0008).
 
     It holds its row's columns (``_span_columns``: the plain ones, ids, name and times, then the
     JSON texts) as a tuple in ``__pydantic_private__`` (which a span otherwise leaves None), and an
-    empty ``__dict__``.  Reading a plain field answers from the tuple; any other attribute access (a JSON field, a method,
-    ``__dict__``, ``__class__``; pydantic's serializer, ``==``, copy and pickle all read through
-    attribute access) first decodes the texts, builds the span's state (``_span_state``), and turns the
-    object into a plain ``Span`` (``__class__`` assignment: same layout), which it then stays.  So a
-    caller that only looks at ids, names and order (a trace's structure, the benchmarks' read-back
-    checks) never pays for decoding attributes, and one that reads everything pays what it paid
-    before.  Until then ``type(span)`` is this class (``isinstance(span, Span)`` holds throughout);
-    a stored value that does not decode raises on first use instead of in ``query_spans``."""
+    empty ``__dict__``.  Reading a plain field answers from the tuple.  Any other attribute access
+    (a JSON-held field, a method, ``__dict__``, ``__class__``; pydantic's serializer, ``==``, copy
+    and pickle all read through attribute access) first decodes the texts, builds the span's state
+    (``_span_state``) and turns the object into a plain ``Span`` (``__class__`` assignment: the
+    same layout), which it then stays.  So a caller that only looks at ids, names and order (a
+    trace's structure, the benchmarks' read-back checks) never pays for decoding, and one that
+    reads everything pays about what an eager read cost, plus ~0.5 µs per span.  Until then
+    ``type(span)`` is this class (``isinstance(span, Span)`` holds throughout); a stored value that
+    does not decode raises on first use instead of in ``query_spans``."""
 
     def __getattribute__(self, name: str) -> Any:
         index = _PLAIN_INDEX.get(name)
