@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import pickle
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -67,6 +68,7 @@ USES: dict[str, Callable[[Span, Span], bool]] = {
     "dict()": lambda got, want: dict(got) == dict(want),
     "pickle": lambda got, want: pickle.loads(pickle.dumps(got)) == want,
     "copy": lambda got, want: copy.copy(got) == want and type(copy.copy(got).attributes) is dict,
+    "copy, then a plain field": lambda got, want: copy.copy(got).sequence_id == want.sequence_id,
     "deepcopy": lambda got, want: copy.deepcopy(got) == want,
     "model_copy": lambda got, want: got.model_copy(update={"name": "n2"}).model_dump() == {**want.model_dump(), "name": "n2"},
     "model_validate": lambda got, want: Span.model_validate(got) == want,
@@ -171,3 +173,46 @@ async def test_a_row_of_another_shape_takes_the_general_path(store: SqlLightning
     assert got.status == TraceStatus(**status) and type(got) is Span
     assert got.model_extra == {"k": 1} and got.attributes == want.attributes
     assert "context" not in vars(got)  # as model_construct leaves a required field it was not given
+
+
+async def test_a_plain_field_read_while_another_thread_realizes_the_span(store: SqlLightningStore) -> None:
+    """A thread reading plain fields while another realizes the same spans, the interpreter switching
+    threads every microsecond: every read answers the stored value, none meets a half-made span."""
+    ar = await store.start_rollout({"q": 1})
+    await store.add_many_spans([make_span(ar.rollout_id, ar.attempt.attempt_id, k) for k in range(1, 201)])
+    spans = list(await store.query_spans(ar.rollout_id))
+    assert [type(sp) for sp in spans] == [DeferredSpan] * 200
+    errors: list[BaseException] = []
+    wrong: list[int] = []
+    done = threading.Event()
+
+    def realize_all() -> None:
+        try:
+            for sp in spans:
+                sp.attributes  # noqa: B018
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            done.set()
+
+    def read_plain() -> None:
+        try:
+            while not done.is_set():
+                for k, sp in enumerate(spans, 1):
+                    if sp.sequence_id != k:
+                        wrong.append(k)
+        except BaseException as exc:
+            errors.append(exc)
+
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=read_plain) for _ in range(3)] + [threading.Thread(target=realize_all)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(previous)
+    assert errors == [] and wrong == []
+    assert all(type(sp) is Span for sp in spans)

@@ -518,7 +518,9 @@ class DeferredSpan(Span):
     def __getattribute__(self, name: str) -> Any:
         index = _PLAIN_INDEX.get(name)
         if index is not None:
-            return _get(self, "__pydantic_private__")[index]
+            columns = _get(self, "__pydantic_private__")
+            if type(columns) is tuple:  # else realized meanwhile, or a copy pydantic made of a realized one
+                return columns[index]
         _realize(self)
         return _get(self, name)
 
