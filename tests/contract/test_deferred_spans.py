@@ -62,6 +62,8 @@ USES: dict[str, Callable[[Span, Span], bool]] = {
     "model_dump": lambda got, want: got.model_dump() == want.model_dump(),
     "model_dump_json": lambda got, want: json.loads(got.model_dump_json()) == json.loads(want.model_dump_json()),
     "model_extra": lambda got, want: got.model_extra == want.model_extra,
+    "an extra field": lambda got, want: got.extra_field == {"nested": [1, {"x": "y"}]},  # type: ignore[attr-defined]
+    "a missing attribute": lambda got, want: not hasattr(got, "no_such_field") and getattr(got, "nope", 7) == 7,
     "model_fields_set": lambda got, want: got.model_fields_set == set(Span.model_fields),  # as every read-back
     "repr": lambda got, want: repr(got) == repr(got.model_copy()) and repr(got).startswith(f"Span(rollout_id='{want.rollout_id}'"),
     "vars": lambda got, want: vars(got) == vars(want),
