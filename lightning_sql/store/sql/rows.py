@@ -511,7 +511,7 @@ class DeferredSpan(Span):
     (``_span_state``) and turns the object into a plain ``Span`` (``__class__`` assignment: the
     same layout), which it then stays.  So a caller that only looks at ids, names and order (a
     trace's structure, the benchmarks' read-back checks) never pays for decoding, and one that
-    reads everything pays what an eager read cost and 8-17% more (measured: ADR 0008).  Until then
+    reads everything pays what an eager read cost and 10-19% more (measured: ADR 0008).  Until then
     ``type(span)`` is this class (``isinstance(span, Span)`` holds throughout); a stored value that
     does not decode raises on first use instead of in ``query_spans``."""
 
