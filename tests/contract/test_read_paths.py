@@ -214,9 +214,9 @@ def _decoded_span_row(row: Any) -> dict[str, Any]:
 
 
 async def test_span_rows_build_what_the_general_path_builds(store: SqlLightningStore) -> None:
-    """A read-back's span (``deferred_span_from_row``, built on first use by ``span_from_row``'s
-    direct assembly) must be the general path's (``construct`` per model) in every detail, on every
-    backend (JSONB reorders keys)."""
+    """A read-back's span (``deferred_span_from_row``, built on first use by ``_span_state``'s direct
+    assembly) must be the general path's (``construct`` per model) in every detail, on every backend
+    (JSONB reorders keys)."""
     ar = await store.start_rollout({"q": 1})
     rid, aid = ar.rollout_id, ar.attempt.attempt_id
     plain = make_span(rid, aid, 1)
