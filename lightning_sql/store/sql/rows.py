@@ -431,7 +431,7 @@ def _span_state(
     would build from the stored fields, for a fraction of ``model_validate``'s cost (read-back is a
     hot path: W1 and W6 of the benchmarks).  None when the row is not of the usual shape (the three
     model fields kept in ``extra`` present): ``_span_from_mapping`` builds those."""
-    if not _SPAN_FAST or not extra or not _SPAN_EXTRA_FIELDS <= extra.keys():
+    if not extra or not _SPAN_EXTRA_FIELDS <= extra.keys():
         return None
     rid, aid, seq, tid, sid, pid, name, start, end = plain
     context, parent = extra["context"], extra["parent"]
@@ -535,7 +535,9 @@ def _realize(span: Any) -> None:
         if type(columns) is tuple:
             plain = columns[:_PLAIN_COUNT]
             attributes, events, links, resource, extra = columns[_PLAIN_COUNT:]
-            try:  # the fast parser straight (five calls per span), else the standard path for all
+            # ``loads_json`` inlined: five calls per span without its frame (0.2-0.3 µs of the ~8 µs a
+            # realized span costs, measured against a comprehension of ``loads_json``).
+            try:  # the fast parser straight, else the standard path for all five
                 attributes = None if attributes is None else _parse_json(attributes)
                 events = None if events is None else _parse_json(events)
                 links = None if links is None else _parse_json(links)
