@@ -459,3 +459,103 @@ async def test_a_loop_closed_before_its_flush_leaves_nothing_queued(store_factor
             batches.pop(key, None)
         del left
         gc.collect()
+
+
+# --- attempt updates ----------------------------------------------------------------------------
+
+
+async def _attempt_calls(store: Any) -> tuple[list[str], list[Any]]:
+    """Four started rollouts (the second allows a retry) and the updates a turn of runners issues:
+    two on one rollout (running, then succeeded), a failure that requeues, a worker change, one
+    through "latest"."""
+    from lightning_sql.types import RolloutConfig
+
+    started = [
+        await store.start_rollout({"i": 0}),
+        await store.start_rollout({"i": 1}, config=RolloutConfig(max_attempts=2, retry_condition=["failed"])),
+        await store.start_rollout({"i": 2}),
+        await store.start_rollout({"i": 3}),
+    ]
+    ids = [ar.rollout_id for ar in started]
+    aids = [ar.attempt.attempt_id for ar in started]
+    calls = [
+        lambda: store.update_attempt(ids[0], aids[0], status="running", worker_id="w0"),
+        lambda: store.update_attempt(ids[1], aids[1], status="failed", worker_id="w1"),
+        lambda: store.update_attempt(ids[0], aids[0], status="succeeded"),
+        lambda: store.update_attempt(ids[2], "latest", worker_id="w2", metadata={"k": 1}),
+        lambda: store.update_attempt(ids[3], aids[3], status="succeeded", worker_id="w0"),
+    ]
+    return ids, calls
+
+
+async def _attempt_state(store: Any, ids: list[str]) -> list[Any]:
+    state = []
+    for rid in ids:
+        rollout = await store.get_rollout_by_id(rid)
+        attempts = [(a.sequence_id, a.status, a.worker_id, a.metadata, a.end_time) for a in await store.query_attempts(rid)]
+        state.append((rollout.status, rollout.end_time, attempts))
+    workers = sorted(
+        (w.worker_id, w.status, None if w.current_rollout_id is None else ids.index(w.current_rollout_id))
+        for w in await store.query_workers()
+    )
+    return [state, workers]
+
+
+def _attempt_view(attempts: list[Any]) -> list[Any]:
+    return [(a.status, a.worker_id, a.metadata, a.end_time) for a in attempts]
+
+
+async def test_concurrent_attempt_updates_are_one_batch_with_what_calls_in_order_get(
+    store_factory: Any, clock: Any
+) -> None:
+    """``update_attempt`` calls issued in the same loop turn run as one unit (one transaction), and
+    each call returns, and leaves behind, what it does with the calls awaited one after the other:
+    the rollouts' statuses (a retry requeues), two updates of one attempt in call order, the
+    workers' rows as their last call left them."""
+    start = clock()
+    batched = store_factory(run="batched", scan_debounce_seconds=3600)
+    ids, calls = await _attempt_calls(batched)
+    clock.set(start + 10.0)
+    before = _batched(batched)
+    got = await asyncio.gather(*(call() for call in calls))
+    assert _batched(batched) - before == len(calls)  # the five ran as one
+
+    clock.set(start)
+    sequential = store_factory(run="sequential", scan_debounce_seconds=3600)
+    seq_ids, seq_calls = await _attempt_calls(sequential)
+    clock.set(start + 10.0)
+    before = _batched(sequential)
+    in_order = [await call() for call in seq_calls]
+    assert _batched(sequential) == before  # awaited one by one: no batch
+    assert _attempt_view(got) == _attempt_view(in_order)
+    state = await _attempt_state(batched, ids)
+    assert state == await _attempt_state(sequential, seq_ids)
+    # What that state is (the sequential store agrees above):
+    rollouts, workers = state
+    assert [status for status, *_ in rollouts] == ["succeeded", "requeuing", "preparing", "succeeded"]
+    assert rollouts[0][2] == [(1, "succeeded", "w0", None, start + 10.0)]
+    assert rollouts[2][2][0][2:4] == ("w2", {"k": 1})
+    assert [(s, status) for s, status, *_ in rollouts[1][2]] == [(1, "failed")]
+    assert dict((w, status) for w, status, _r in workers) == {"w0": "idle", "w1": "idle", "w2": "busy"}
+
+
+async def test_an_attempt_update_batch_with_unknown_ids_fails_those_calls_only(store_factory: Any) -> None:
+    """A batch whose calls name a rollout or an attempt that does not exist: those calls fail with
+    their own error, the others are applied once (the batch ran again call by call)."""
+    store = store_factory(scan_debounce_seconds=3600)
+    first = await store.start_rollout({"i": 0})
+    second = await store.start_rollout({"i": 1})
+    got = await asyncio.gather(
+        store.update_attempt(first.rollout_id, first.attempt.attempt_id, status="running"),
+        store.update_attempt("ro-missing", "latest", status="succeeded"),
+        store.update_attempt(second.rollout_id, "at-missing", status="succeeded"),
+        store.update_attempt(second.rollout_id, second.attempt.attempt_id, status="succeeded"),
+        return_exceptions=True,
+    )
+    assert isinstance(got[1], ValueError) and str(got[1]) == "Rollout ro-missing not found"
+    assert isinstance(got[2], ValueError) and str(got[2]) == f"Attempt at-missing not found for rollout {second.rollout_id}"
+    assert got[0].status == "running" and got[3].status == "succeeded"
+    assert _batched(store) == 0  # the batch failed; its calls ran alone
+    assert (await store.get_rollout_by_id(first.rollout_id)).status == "running"
+    assert (await store.get_rollout_by_id(second.rollout_id)).status == "succeeded"
+    assert [a.status for a in await store.query_attempts(second.rollout_id)] == ["succeeded"]

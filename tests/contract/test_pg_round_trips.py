@@ -566,6 +566,48 @@ async def test_an_attempt_update_locks_in_one_statement_and_writes_in_one(
         await store.close()
 
 
+async def test_concurrent_attempt_updates_share_one_transaction(
+    wire_own_database: tuple[WireCounter, str, str],
+) -> None:
+    """Four ``update_attempt`` calls issued in the same loop turn: ONE transaction (BEGIN, each
+    call's lock and write, COMMIT), 10 round trips instead of 16; one "finished" notification."""
+    import asyncpg
+
+    counter, url, schema = wire_own_database
+    store = _open(url, schema)
+    payloads: list[str] = []
+    listener = await asyncpg.connect(_listen_url(url))
+    try:
+        await listener.add_listener(notify_channel(schema), lambda *args: payloads.append(args[3]))
+        await store.enqueue_many_rollouts([EnqueueRolloutRequest(input={"i": i}) for i in range(6)])
+        claimed = [await store.dequeue_rollout(worker_id=f"w{i}") for i in range(6)]
+        for ar in claimed[:2]:  # warm: the connection prepares the statements
+            assert ar is not None
+            await store.update_attempt(ar.rollout_id, ar.attempt.attempt_id, status="succeeded")
+        await asyncio.sleep(0.05)
+        payloads.clear()
+        rest = [ar for ar in claimed[2:] if ar is not None]
+        mark = counter.mark()
+        got = await asyncio.gather(
+            *(store.update_attempt(ar.rollout_id, ar.attempt.attempt_id, status="succeeded") for ar in rest)
+        )
+        seen = counter.since(mark)
+        assert [a.status for a in got] == ["succeeded"] * 4
+        assert [q.split()[0] for q in seen.queries] == ["BEGIN", "COMMIT;"], seen.queries
+        assert len(seen.statements) == 8 and seen.ready == 10, seen
+        for ar in rest:
+            rollout = await store.get_rollout_by_id(ar.rollout_id)
+            assert rollout is not None and rollout.status == "succeeded"
+        deadline = asyncio.get_running_loop().time() + 5
+        while not payloads and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        assert [p.split(":", 1)[1] for p in payloads] == ["finished"], payloads
+    finally:
+        await listener.close()
+        await store.close()
+
+
 async def test_the_checker_reads_one_snapshot(wire: tuple[WireCounter, str, str]) -> None:
     counter, url, schema = wire
     store = _open(url, schema)

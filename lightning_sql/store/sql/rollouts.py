@@ -746,6 +746,18 @@ def update_attempt(
     return attempt_from_row(new_row)
 
 
+def update_attempt_batch(
+    ctx: UnitContext, run_id: int, calls: Sequence[tuple[float, tuple[str, str, dict[str, Any]]]]
+) -> list[Attempt]:
+    """``update_attempt`` for several calls ``(now, (rollout_id, attempt_id, changes))`` issued in
+    the same turn of an event loop (PostgreSQL) or queued together (a SQLite group commit): one
+    after the other in call order, in ONE transaction, each call's attempt."""
+    return [
+        update_attempt(ctx, run_id, now, rollout_id, attempt_id, changes)
+        for now, (rollout_id, attempt_id, changes) in calls
+    ]
+
+
 def touch_attempt(ctx: UnitContext, run_id: int, now: float, rollout_id: str, attempt_id: str) -> Attempt:
     # Lock order (§2.17): the rollout row first, so a concurrent sweep either skips this rollout or has
     # committed its verdict before the heartbeat lands (never judges a heartbeat it did not see).

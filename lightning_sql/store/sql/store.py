@@ -325,10 +325,10 @@ class SqlLightningStore(StoreInstance, LightningStore):
                 _invalid_rollout_field("metadata", metadata, "Attempt")
             changes["metadata"] = encoded(metadata, "metadata")
         self._check_ids_for_attempt(rollout_id, attempt_id)
-        return await self._call(
+        return await self._call_batchable(
             "update_attempt",
-            lambda ctx, run_id, now: ro.update_attempt(ctx, run_id, now, rollout_id, attempt_id, changes),
-            write=True,
+            ro.update_attempt_batch,  # concurrent calls: one transaction (fewer round trips)
+            (rollout_id, attempt_id, changes),
             sweeps=True,
         )
 
