@@ -1,6 +1,7 @@
 """Concurrent calls as one call (``engine.BatchUnit``; ADR 0005 decision 7): claims
-(``rollouts.claim_batch``), sequence-id reservations (``spans.reserve_sequence_ids_batch``) and
-span adds of one attempt each (``spans.add_spans_batch``).
+(``rollouts.claim_batch``), sequence-id reservations (``spans.reserve_sequence_ids_batch``), span
+adds of one attempt each (``spans.add_spans_batch``) and attempt updates
+(``rollouts.update_attempt_batch``).
 
 The calls of one kind that one event loop issues in the same turn run as ONE unit (the SQLite
 writer's group commit; on the I/O loop of PostgreSQL and aiosqlite, one transaction): one claim of
