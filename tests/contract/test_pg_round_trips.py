@@ -278,6 +278,19 @@ def _open(url: str, schema: str, **kwargs: Any) -> SqlLightningStore:
     return SqlLightningStore(url, run="round-trips", schema=schema, **kwargs)
 
 
+async def _listening(url: str, schema: str, payloads: list[str]) -> Any:
+    """A LISTEN connection of its own on the store's channel, appending each payload to ``payloads``."""
+    import asyncpg
+
+    listener = await asyncpg.connect(_listen_url(url))
+    try:
+        await listener.add_listener(notify_channel(schema), lambda *args: payloads.append(args[3]))
+    except BaseException:
+        await listener.close()
+        raise
+    return listener
+
+
 def _is_ping(statement: str) -> bool:
     return statement.strip() == ";"  # SQLAlchemy's asyncpg pre-ping
 
@@ -473,14 +486,11 @@ async def test_a_claim_is_one_statement_without_a_transaction(wire: tuple[WireCo
 async def test_a_units_notifications_are_one_statement(
     wire_own_database: tuple[WireCounter, str, str], clock: FakeClock
 ) -> None:
-    import asyncpg
-
     counter, url, schema = wire_own_database
     store = _open(url, schema, clock=clock)
     payloads: list[str] = []
-    listener = await asyncpg.connect(_listen_url(url))
+    listener = await _listening(url, schema, payloads)
     try:
-        await listener.add_listener(notify_channel(schema), lambda *args: payloads.append(args[3]))
         retried = await store.start_rollout(
             1, config=RolloutConfig(timeout_seconds=10, max_attempts=2, retry_condition=["timeout"])
         )
@@ -509,14 +519,11 @@ async def test_an_attempt_update_locks_in_one_statement_and_writes_in_one(
     """update_attempt: BEGIN, ONE statement locking the rollout and then its attempt, ONE statement
     writing the attempt, the rollout, the worker row and the notification, COMMIT; the notification
     is delivered once, and a requeue (which also takes a queue position) still notifies."""
-    import asyncpg
-
     counter, url, schema = wire_own_database
     store = _open(url, schema)
     payloads: list[str] = []
-    listener = await asyncpg.connect(_listen_url(url))
+    listener = await _listening(url, schema, payloads)
     try:
-        await listener.add_listener(notify_channel(schema), lambda *args: payloads.append(args[3]))
         await store.enqueue_many_rollouts(
             [
                 EnqueueRolloutRequest(
@@ -571,14 +578,11 @@ async def test_concurrent_attempt_updates_share_one_transaction(
 ) -> None:
     """Four ``update_attempt`` calls issued in the same loop turn: ONE transaction (BEGIN, each
     call's lock and write, COMMIT), 10 round trips instead of 16; one "finished" notification."""
-    import asyncpg
-
     counter, url, schema = wire_own_database
     store = _open(url, schema)
     payloads: list[str] = []
-    listener = await asyncpg.connect(_listen_url(url))
+    listener = await _listening(url, schema, payloads)
     try:
-        await listener.add_listener(notify_channel(schema), lambda *args: payloads.append(args[3]))
         await store.enqueue_many_rollouts([EnqueueRolloutRequest(input={"i": i}) for i in range(6)])
         claimed = [await store.dequeue_rollout(worker_id=f"w{i}") for i in range(6)]
         for ar in claimed[:2]:  # warm: the connection prepares the statements
