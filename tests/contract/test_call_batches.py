@@ -540,23 +540,87 @@ async def test_concurrent_attempt_updates_are_one_batch_with_what_calls_in_order
     assert dict((w, status) for w, status, _r in workers) == {"w0": "idle", "w1": "idle", "w2": "busy"}
 
 
-async def test_an_attempt_update_batch_with_unknown_ids_fails_those_calls_only(store_factory: Any) -> None:
+async def _distinct_attempt_calls(store: Any, *, one_worker: bool) -> tuple[list[str], list[Any]]:
+    """Five started rollouts and one update of each (PostgreSQL writes them all in one statement): a
+    success, a failure that requeues, a new worker and metadata through "latest", a heartbeat, an
+    update that changes nothing; with ``one_worker``, the heartbeat's call also moves its attempt
+    to the first call's worker (two calls write one worker's row)."""
+    from lightning_sql.types import RolloutConfig
+
+    started = [await store.start_rollout({"i": i}) for i in range(5)]
+    started[1] = await store.start_rollout({"i": 1}, config=RolloutConfig(max_attempts=2, retry_condition=["failed"]))
+    ids = [ar.rollout_id for ar in started]
+    aids = [ar.attempt.attempt_id for ar in started]
+    beat: dict[str, Any] = {"status": "running", "worker_id": "w0"} if one_worker else {}
+    calls = [
+        lambda: store.update_attempt(ids[0], aids[0], status="succeeded", worker_id="w0"),
+        lambda: store.update_attempt(ids[1], aids[1], status="failed", worker_id="w1"),
+        lambda: store.update_attempt(ids[2], "latest", worker_id="w2", metadata={"k": 1}),
+        lambda: store.update_attempt(ids[3], aids[3], last_heartbeat_time=1234.5, **beat),
+        lambda: store.update_attempt(ids[4], aids[4]),
+    ]
+    return ids, calls
+
+
+@pytest.mark.parametrize("one_worker", [False, True], ids=["distinct_workers", "one_worker"])
+async def test_concurrent_attempt_updates_of_distinct_rollouts_get_what_calls_in_order_get(
+    store_factory: Any, clock: Any, one_worker: bool
+) -> None:
+    """One ``update_attempt`` of each of five rollouts in one loop turn: one unit, and each call
+    returns, and leaves behind, what it does with the calls awaited one after the other (rollout
+    statuses, attempts, worker rows); also when two of them write one worker's row."""
+    start = clock()
+    batched = store_factory(run="batched", scan_debounce_seconds=3600)
+    ids, calls = await _distinct_attempt_calls(batched, one_worker=one_worker)
+    clock.set(start + 10.0)
+    before = _batched(batched)
+    got = await asyncio.gather(*(call() for call in calls))
+    assert _batched(batched) - before == len(calls)
+
+    clock.set(start)
+    sequential = store_factory(run="sequential", scan_debounce_seconds=3600)
+    seq_ids, seq_calls = await _distinct_attempt_calls(sequential, one_worker=one_worker)
+    clock.set(start + 10.0)
+    in_order = [await call() for call in seq_calls]
+    assert [a.rollout_id for a in got] == ids
+    assert _attempt_view(got) == _attempt_view(in_order)
+    assert [a.last_heartbeat_time for a in got] == [a.last_heartbeat_time for a in in_order]
+    state = await _attempt_state(batched, ids)
+    assert state == await _attempt_state(sequential, seq_ids)
+    rollouts, workers = state
+    assert [status for status, *_ in rollouts] == [
+        "succeeded", "requeuing", "preparing", "running" if one_worker else "preparing", "preparing"
+    ]
+    assert rollouts[0][1] == start + 10.0 and rollouts[0][2] == [(1, "succeeded", "w0", None, start + 10.0)]
+    assert rollouts[2][2] == [(1, "preparing", "w2", {"k": 1}, None)]
+    assert got[3].last_heartbeat_time == 1234.5
+    expected = {"w0": ("busy", 3) if one_worker else ("idle", None), "w1": ("idle", None), "w2": ("busy", 2)}
+    assert {w: (status, r) for w, status, r in workers} == expected
+    requeued = await batched.dequeue_rollout(worker_id="w9")
+    assert requeued is not None and requeued.rollout_id == ids[1]  # the requeued rollout is in the queue
+
+
+@pytest.mark.parametrize("distinct", [False, True], ids=["one_rollout_twice", "distinct_rollouts"])
+async def test_an_attempt_update_batch_with_unknown_ids_fails_those_calls_only(store_factory: Any, distinct: bool) -> None:
     """A batch whose calls name a rollout or an attempt that does not exist: those calls fail with
-    their own error, the others are applied once (the batch ran again call by call)."""
+    their own error, the others are applied once (the batch ran again call by call); with
+    ``distinct``, no rollout is named twice (PostgreSQL's one-statement path)."""
     store = store_factory(scan_debounce_seconds=3600)
     first = await store.start_rollout({"i": 0})
     second = await store.start_rollout({"i": 1})
+    third = await store.start_rollout({"i": 2}) if distinct else second
     got = await asyncio.gather(
         store.update_attempt(first.rollout_id, first.attempt.attempt_id, status="running"),
         store.update_attempt("ro-missing", "latest", status="succeeded"),
-        store.update_attempt(second.rollout_id, "at-missing", status="succeeded"),
+        store.update_attempt(third.rollout_id, "at-missing", status="succeeded"),
         store.update_attempt(second.rollout_id, second.attempt.attempt_id, status="succeeded"),
         return_exceptions=True,
     )
     assert isinstance(got[1], ValueError) and str(got[1]) == "Rollout ro-missing not found"
-    assert isinstance(got[2], ValueError) and str(got[2]) == f"Attempt at-missing not found for rollout {second.rollout_id}"
+    assert isinstance(got[2], ValueError) and str(got[2]) == f"Attempt at-missing not found for rollout {third.rollout_id}"
     assert got[0].status == "running" and got[3].status == "succeeded"
     assert _batched(store) == 0  # the batch failed; its calls ran alone
     assert (await store.get_rollout_by_id(first.rollout_id)).status == "running"
     assert (await store.get_rollout_by_id(second.rollout_id)).status == "succeeded"
+    assert [a.status for a in await store.query_attempts(third.rollout_id)] == ["preparing" if distinct else "succeeded"]
     assert [a.status for a in await store.query_attempts(second.rollout_id)] == ["succeeded"]

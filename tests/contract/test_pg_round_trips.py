@@ -576,8 +576,10 @@ async def test_an_attempt_update_locks_in_one_statement_and_writes_in_one(
 async def test_concurrent_attempt_updates_share_one_transaction(
     wire_own_database: tuple[WireCounter, str, str],
 ) -> None:
-    """Four ``update_attempt`` calls issued in the same loop turn: ONE transaction (BEGIN, each
-    call's lock and write, COMMIT), 10 round trips instead of 16; one "finished" notification."""
+    """Four ``update_attempt`` calls of distinct rollouts issued in the same loop turn: ONE
+    transaction (BEGIN, one statement that locks every rollout and attempt, one that writes them
+    all with their workers' rows and the notification, COMMIT), 4 round trips instead of 16; one
+    "finished" notification."""
     counter, url, schema = wire_own_database
     store = _open(url, schema)
     payloads: list[str] = []
@@ -598,10 +600,13 @@ async def test_concurrent_attempt_updates_share_one_transaction(
         seen = counter.since(mark)
         assert [a.status for a in got] == ["succeeded"] * 4
         assert [q.split()[0] for q in seen.queries] == ["BEGIN", "COMMIT;"], seen.queries
-        assert len(seen.statements) == 8 and seen.ready == 10, seen
-        for ar in rest:
+        assert len(seen.statements) == 2 and seen.ready == 4, seen
+        for ar, attempt in zip(rest, got, strict=True):
+            assert (attempt.rollout_id, attempt.attempt_id) == (ar.rollout_id, ar.attempt.attempt_id)
             rollout = await store.get_rollout_by_id(ar.rollout_id)
             assert rollout is not None and rollout.status == "succeeded"
+            worker = await store.get_worker_by_id(ar.attempt.worker_id or "")
+            assert worker is not None and worker.status == "idle" and worker.current_rollout_id is None
         deadline = asyncio.get_running_loop().time() + 5
         while not payloads and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.01)

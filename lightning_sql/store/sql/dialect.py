@@ -41,6 +41,7 @@ from sqlalchemy import (
     select,
     true,
     tuple_,
+    union_all,
     update,
 )
 from sqlalchemy import (
@@ -708,6 +709,60 @@ def _lock_pair_statement(dialect: str, columns: Sequence[Any], *, latest: bool) 
     )
 
 
+def lock_rollouts_and_attempts(
+    ctx: UnitContext, run_id: int, pairs: Sequence[tuple[str, str]], columns: Sequence[Any]
+) -> dict[str, tuple[Any, Any]]:
+    """``lock_rollout_and_attempt`` for several rollouts at once (PostgreSQL only), in ONE statement:
+    ``pairs`` are ``(rollout_id, attempt_id or "latest")`` of distinct rollouts.  Returns, for each
+    rollout found, (its row, its attempt row or None).  The rollouts are locked in ``rollout_id``
+    order (two such statements never wait for each other in a cycle), each attempt after its
+    rollout."""
+    assert ctx.dialect == "postgresql"
+    names = tuple(c.name for c in columns)
+    stmt = cached(("lock_rollouts_and_attempts", names), lambda: _lock_pairs_statement(columns))
+    params = {
+        "lm_run_id": run_id,
+        "lm_rollout_ids": [rid for rid, _aid in pairs],
+        "lm_attempt_ids": [None if aid == "latest" else aid for _rid, aid in pairs],
+    }
+    out: dict[str, tuple[Any, Any]] = {}
+    width = len(_ATTEMPT_NAMES)
+    for row in ctx.execute(stmt, params):
+        attempt = row[-width:]
+        out[row.rollout_id] = (row, None if attempt[_ATTEMPT_ID_AT] is None else _AttemptRow(*attempt))
+    return out
+
+
+def _lock_pairs_statement(columns: Sequence[Any]) -> Any:
+    R, A = s.rollouts, s.attempts
+    run_id = bindparam("lm_run_id", type_=Integer)
+    rollout_ids = bindparam("lm_rollout_ids", type_=ARRAY(Text))
+    wanted = (
+        func.unnest(rollout_ids, bindparam("lm_attempt_ids", type_=ARRAY(Text)))
+        .table_valued("rollout_id", "attempt_id")
+        .render_derived(name="wanted")
+    )
+    locked = (
+        select(*columns, R.c.attempt_count, R.c.queue_seq)
+        .where(R.c.run_id == run_id, R.c.rollout_id == func.any(rollout_ids))
+        .order_by(R.c.rollout_id)
+        .with_for_update()
+        .cte("locked_rollouts")
+    )
+    which = or_(
+        and_(wanted.c.attempt_id.is_(None), A.c.sequence_id == locked.c.attempt_count),
+        A.c.attempt_id == wanted.c.attempt_id,
+    )
+    attempt = (
+        select(A)
+        .where(A.c.run_id == run_id, A.c.rollout_id == locked.c.rollout_id, which)
+        .with_for_update()
+        .lateral("locked_attempt")
+    )
+    joined = locked.join(wanted, wanted.c.rollout_id == locked.c.rollout_id).outerjoin(attempt, true())
+    return select(locked, *(attempt.c[name].label(f"a_{name}") for name in _ATTEMPT_NAMES)).select_from(joined)
+
+
 @dataclass(frozen=True)
 class Write:
     """One prebuilt write statement (``build()``, cached under ``key``) and its parameters.  Writes that
@@ -746,32 +801,47 @@ def run_writes(ctx: UnitContext, writes: Sequence[Write]) -> Any:
     all see the same snapshot), together with the unit's pending notifications, so the unit's
     locks, these writes and COMMIT are its only round trips.  SQLite runs them in order.
     """
+    rows = run_writes_rows(ctx, writes, (0,))
+    return rows[0] if rows else None
+
+
+def run_writes_rows(ctx: UnitContext, writes: Sequence[Write], rows_of: Sequence[int]) -> list[Any]:
+    """``run_writes``, returning the rows of the RETURNING of each write listed in ``rows_of`` (their
+    indices in ``writes``; one row each): the first row of each on SQLite, all of them on PostgreSQL,
+    in no set order there."""
     if ctx.dialect != "postgresql":
-        first = None
+        rows = []
+        wanted = set(rows_of)
         for index, write in enumerate(writes):
             result = write.execute(ctx)
-            if index == 0:
-                first = result.first()
-        return first
+            if index in wanted:
+                row = result.first()
+                if row is not None:
+                    rows.append(row)
+        return rows
     payloads = ctx.take_notifications()
-    key = ("writes_in_one_statement", tuple(write.key for write in writes), bool(payloads))
-    stmt = cached(key, lambda: _writes_statement([write.build() for write in writes], notify=bool(payloads)))
+    returned = tuple(rows_of)
+    key = ("writes_in_one_statement", tuple(write.key for write in writes), returned, bool(payloads))
+    stmt = cached(key, lambda: _writes_statement([write.build() for write in writes], returned, notify=bool(payloads)))
     params: dict[str, Any] = {}
     for write in writes:
         params.update(write.params)
     if payloads:
         params["wn_channel"] = ctx.notify_channel
         params["wn_payloads"] = payloads
-    return ctx.execute(stmt, params).first()
+    return list(ctx.execute(stmt, params))
 
 
-def _writes_statement(statements: Sequence[Any], *, notify: bool) -> Any:
-    first, *others = statements
-    main = first.cte("write_0")
-    stmt = select(main)
-    for index, other in enumerate(others, 1):
-        # A data-modifying CTE runs to completion whether or not the outer query reads it.
-        stmt = stmt.add_cte(other.cte(f"write_{index}"))
+def _writes_statement(statements: Sequence[Any], returned: tuple[int, ...], *, notify: bool) -> Any:
+    ctes = [statement.cte(f"write_{index}") for index, statement in enumerate(statements)]
+    if len(returned) == 1:
+        stmt = select(ctes[returned[0]])
+    else:
+        stmt = select(union_all(*(select(ctes[index]) for index in returned)).subquery("written"))
+    for index, cte in enumerate(ctes):
+        if index not in returned:
+            # A data-modifying CTE runs to completion whether or not the outer query reads it.
+            stmt = stmt.add_cte(cte)
     if notify:
         events = (
             func.unnest(bindparam("wn_payloads", type_=ARRAY(Text)))

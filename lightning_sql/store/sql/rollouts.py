@@ -26,7 +26,7 @@ from lightning_sql.store.sql.rows import (
     rollout_from_row,
 )
 from lightning_sql.store.sql.statements import cached, prebuilt
-from lightning_sql.store.sql.workers import idle_on_empty_queue, sync_worker
+from lightning_sql.store.sql.workers import idle_on_empty_queue, sync_worker, worker_following, write_worker
 from lightning_sql.types import (
     FINISHED_STATUSES,
     QUEUED_STATUSES,
@@ -672,13 +672,7 @@ def resolve_attempt(ctx: UnitContext, run_id: int, rollout_id: str, attempt_id: 
     """(rollout row, attempt row) per the resolution order of contract §2.7, or raise its errors."""
     if lock and (attempt_id == "latest" or is_storable_text(attempt_id)):  # both rows in one statement
         row, attempt_row = d.lock_rollout_and_attempt(ctx, run_id, rollout_id, attempt_id, ROLLOUT_COLUMNS)
-        if row is None:
-            raise ValueError(f"Rollout {rollout_id} not found")
-        if row.attempt_count == 0 or (attempt_row is None and attempt_id == "latest"):
-            raise ValueError(f"No attempts found for rollout {rollout_id}")
-        if attempt_row is None:
-            raise ValueError(f"Attempt {attempt_id} not found for rollout {rollout_id}")
-        return row, attempt_row
+        return _resolved(row, attempt_row, rollout_id, attempt_id)
     row = lock_rollout(ctx, run_id, rollout_id, lock=lock)
     if row is None:
         raise ValueError(f"Rollout {rollout_id} not found")
@@ -704,10 +698,38 @@ def resolve_attempt(ctx: UnitContext, run_id: int, rollout_id: str, attempt_id: 
     return row, attempt_row
 
 
+def _resolved(row: Any, attempt_row: Any, rollout_id: str, attempt_id: str) -> tuple[Any, Any]:
+    """The rows that ``dialect.lock_rollout_and_attempt`` found, or the error of §2.7 they call for."""
+    if row is None:
+        raise ValueError(f"Rollout {rollout_id} not found")
+    if row.attempt_count == 0 or (attempt_row is None and attempt_id == "latest"):
+        raise ValueError(f"No attempts found for rollout {rollout_id}")
+    if attempt_row is None:
+        raise ValueError(f"Attempt {attempt_id} not found for rollout {rollout_id}")
+    return row, attempt_row
+
+
 def update_attempt(
     ctx: UnitContext, run_id: int, now: float, rollout_id: str, attempt_id: str, changes: dict[str, Any]
 ) -> Attempt:
     row, attempt_row = resolve_attempt(ctx, run_id, rollout_id, attempt_id, lock=True)
+    writes, worker = _attempt_writes(ctx, run_id, now, row, attempt_row, changes, "")
+    if not writes:
+        return attempt_from_row(attempt_row)
+    if worker is not None:
+        writes.append(write_worker(ctx, run_id, *worker))
+    new_row = d.run_writes(ctx, writes)
+    assert new_row is not None  # locked above
+    return attempt_from_row(new_row)
+
+
+def _attempt_writes(
+    ctx: UnitContext, run_id: int, now: float, row: Any, attempt_row: Any, changes: dict[str, Any], tag: str
+) -> tuple[list[d.Write], tuple[str, dict[str, Any]] | None]:
+    """The writes of one ``update_attempt`` of the locked ``row`` and ``attempt_row`` (none when
+    nothing changes), the attempt's first (it returns the updated row), and what it writes into
+    a worker's row, ``(worker_id, values)`` or None (``workers.write_worker``); ``tag`` names the
+    writes' parameters apart from those of other calls' writes in the same statement."""
     values: dict[str, Any] = {}
     for key in ("status", "worker_id", "last_heartbeat_time", "metadata"):
         if key in changes:
@@ -715,13 +737,13 @@ def update_attempt(
     if changes.get("status") in ("failed", "succeeded"):
         values["end_time"] = now
     if not values:
-        return attempt_from_row(attempt_row)
-    aid = attempt_row.attempt_id
+        return [], None
+    rollout_id, aid = row.rollout_id, attempt_row.attempt_id
     keys = {"run_id": run_id, "rollout_id": rollout_id, "attempt_id": aid}
     # The attempt's row, the rollout's and the worker's are written together (dialect.run_writes:
     # one statement on PostgreSQL): what follows from the attempt's new status and worker is decided
     # here from the locked row and the changes, not read back.
-    writes = [_row_write(A, keys, values, prefix="ua_", returning=True)]
+    writes = [_row_write(A, keys, values, prefix=f"ua{tag}_", returning=True)]
     status = values.get("status", attempt_row.status)
     if "status" in changes and attempt_row.sequence_id == row.attempt_count and row.status != "cancelled":
         config = RolloutConfig.model_construct(
@@ -737,21 +759,64 @@ def update_attempt(
                 rvalues["end_time"] = now
                 ctx.announce(run_id, "finished")
             rvalues.update(enter_or_leave_queue(ctx, run_id, row.status, new_status, row.queue_seq))
-            writes.append(_row_write(R, {"run_id": run_id, "rollout_id": rollout_id}, rvalues, prefix="ur_"))
+            writes.append(_row_write(R, {"run_id": run_id, "rollout_id": rollout_id}, rvalues, prefix=f"ur{tag}_"))
     wid = values["worker_id"] if "worker_id" in values else attempt_row.worker_id
     if ("worker_id" in changes and changes["worker_id"]) or ("status" in changes and wid):
-        writes.append(sync_worker(ctx, run_id, now, wid, status, rollout_id, aid, claim=False))
-    new_row = d.run_writes(ctx, writes)
-    assert new_row is not None  # locked above
-    return attempt_from_row(new_row)
+        return writes, (wid, worker_following(now, status, rollout_id, aid, claim=False))
+    return writes, None
 
 
 def update_attempt_batch(
     ctx: UnitContext, run_id: int, calls: Sequence[tuple[float, tuple[str, str, dict[str, Any]]]]
 ) -> list[Attempt]:
     """``update_attempt`` for several calls ``(now, (rollout_id, attempt_id, changes))`` issued in
-    the same turn of an event loop (PostgreSQL) or queued together (a SQLite group commit): one
-    after the other in call order, in ONE transaction, each call's attempt."""
+    the same turn of an event loop (PostgreSQL) or queued together (a SQLite group commit), in ONE
+    transaction, each call's attempt as if the calls ran one after the other in call order.
+
+    On PostgreSQL, calls of distinct rollouts whose attempt ids can be stored take two statements
+    in all: one locks every rollout and attempt, one writes them all (with their workers' rows and
+    the notifications; what several calls write into one worker's row is merged in call order).
+    Otherwise (SQLite, where a statement costs no round trip; two calls of one rollout, the second
+    of which must see the first's writes) the calls run one after the other.
+    A call's error fails the whole batch, whose calls then run alone (``_flush_batch``)."""
+    pairs = [(rollout_id, attempt_id) for _now, (rollout_id, attempt_id, _changes) in calls]
+    if (
+        ctx.dialect != "postgresql"
+        or len(calls) == 1
+        or len({rid for rid, _aid in pairs}) < len(pairs)
+        or not all(aid == "latest" or is_storable_text(aid) for _rid, aid in pairs)
+    ):
+        return _update_attempts_in_order(ctx, run_id, calls)
+    found = d.lock_rollouts_and_attempts(ctx, run_id, pairs, ROLLOUT_COLUMNS)
+    writes: list[d.Write] = []
+    rows_of: list[int] = []
+    results: list[Any] = []  # each call's attempt row as locked, or None when it is written
+    workers: dict[str, dict[str, Any]] = {}  # what the calls write into each worker's row, merged
+    for index, (now, (rollout_id, attempt_id, changes)) in enumerate(calls):
+        row, attempt_row = _resolved(*found.get(rollout_id, (None, None)), rollout_id, attempt_id)
+        own, worker = _attempt_writes(ctx, run_id, now, row, attempt_row, changes, str(index))
+        if worker is not None:
+            wid, values = worker
+            workers.setdefault(wid, {}).update(values)  # a later call's columns win, as in order
+        if own:
+            results.append(None)
+            rows_of.append(len(writes))
+            writes.extend(own)
+        else:
+            results.append(attempt_row)
+    if not writes:
+        return [attempt_from_row(row) for row in results]
+    writes.extend(write_worker(ctx, run_id, wid, values, f"w{n}_") for n, (wid, values) in enumerate(workers.items()))
+    written = {row.rollout_id: row for row in d.run_writes_rows(ctx, writes, rows_of)}
+    return [
+        attempt_from_row(written[rollout_id] if result is None else result)
+        for result, (_now, (rollout_id, _aid, _changes)) in zip(results, calls, strict=True)
+    ]
+
+
+def _update_attempts_in_order(
+    ctx: UnitContext, run_id: int, calls: Sequence[tuple[float, tuple[str, str, dict[str, Any]]]]
+) -> list[Attempt]:
     return [
         update_attempt(ctx, run_id, now, rollout_id, attempt_id, changes)
         for now, (rollout_id, attempt_id, changes) in calls

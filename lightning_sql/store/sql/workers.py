@@ -16,14 +16,16 @@ from lightning_sql.types import Worker
 W = s.workers
 
 
-def _upsert_statement(dialect: str, insert_cols: tuple[str, ...], update_set: tuple[tuple[str, Any], ...]) -> Any:
-    """INSERT ... ON CONFLICT (run_id, worker_id) DO UPDATE, with ``w_<col>`` placeholders."""
-    run_id: Any = bindparam("w_run_id")
+def _upsert_statement(
+    dialect: str, insert_cols: tuple[str, ...], update_set: tuple[tuple[str, Any], ...], prefix: str
+) -> Any:
+    """INSERT ... ON CONFLICT (run_id, worker_id) DO UPDATE, with ``<prefix><col>`` placeholders."""
+    run_id: Any = bindparam(f"{prefix}run_id")
     stmt = d.insert(dialect, W).values(
         run_id=run_id,
-        worker_id=bindparam("w_worker_id"),
+        worker_id=bindparam(f"{prefix}worker_id"),
         create_seq=d.next_create_seq(dialect, W, run_id),
-        **{col: bindparam(f"w_{col}") for col in insert_cols},
+        **{col: bindparam(f"{prefix}{col}") for col in insert_cols},
     )
     excluded = stmt.excluded
     set_ = {col: (excluded[col] if how == "excluded" else how(excluded)) for col, how in update_set}
@@ -36,16 +38,18 @@ def _upsert(
     worker_id: str,
     insert_values: dict[str, Any],
     update_set: tuple[tuple[str, Any], ...],
+    prefix: str = "w_",
 ) -> d.Write:
-    """Creating the worker row, or updating only the columns of ``update_set`` (a prebuilt statement)."""
+    """Creating the worker row, or updating only the columns of ``update_set`` (a prebuilt statement
+    whose parameters are named ``<prefix><col>``)."""
     insert_cols = tuple(insert_values)
     dialect = ctx.dialect
-    params = {f"w_{col}": value for col, value in insert_values.items()}
-    params["w_run_id"] = run_id
-    params["w_worker_id"] = worker_id
+    params = {f"{prefix}{col}": value for col, value in insert_values.items()}
+    params[f"{prefix}run_id"] = run_id
+    params[f"{prefix}worker_id"] = worker_id
     return d.Write(
-        ("worker_upsert", dialect, insert_cols, update_set),
-        lambda: _upsert_statement(dialect, insert_cols, update_set),
+        ("worker_upsert", dialect, insert_cols, update_set, prefix),
+        lambda: _upsert_statement(dialect, insert_cols, update_set, prefix),
         params,
     )
 
@@ -54,9 +58,6 @@ def _take(*cols: str) -> tuple[tuple[str, Any], ...]:
     return tuple((col, "excluded") for col in cols)
 
 
-_BUSY = _take("status", "last_busy_time", "current_rollout_id", "current_attempt_id")
-_BUSY_CLAIM = _take("status", "last_busy_time", "current_rollout_id", "current_attempt_id", "last_dequeue_time")
-_DONE = _take("status", "last_idle_time", "current_rollout_id", "current_attempt_id")
 _HEARTBEAT = _take("last_heartbeat_time")
 _HEARTBEAT_STATS = _take("last_heartbeat_time", "heartbeat_stats")
 
@@ -93,29 +94,34 @@ def sync_worker(
 ) -> d.Write:
     """Making the worker row follow an attempt it runs (writes only the listed fields; an upsert): run
     it with ``.execute(ctx)``, or with other writes (``dialect.run_writes``)."""
+    values = worker_following(now, attempt_status, rollout_id, attempt_id, claim=claim)
+    return write_worker(ctx, run_id, worker_id, values)
+
+
+def worker_following(
+    now: float, attempt_status: str, rollout_id: str, attempt_id: str, *, claim: bool
+) -> dict[str, Any]:
+    """The columns of a worker row that follow an attempt it runs, now in ``attempt_status``."""
     if attempt_status in ("succeeded", "failed"):
-        values: dict[str, Any] = {
-            "status": "idle",
-            "last_idle_time": now,
-            "current_rollout_id": None,
-            "current_attempt_id": None,
-        }
-        update_set = _DONE
-    elif attempt_status in ("timeout", "unresponsive"):
-        values = {"status": "unknown", "last_idle_time": now, "current_rollout_id": None, "current_attempt_id": None}
-        update_set = _DONE
-    else:
-        values = {
-            "status": "busy",
-            "last_busy_time": now,
-            "current_rollout_id": rollout_id,
-            "current_attempt_id": attempt_id,
-        }
-        update_set = _BUSY
-        if claim:
-            values["last_dequeue_time"] = now
-            update_set = _BUSY_CLAIM
-    return _upsert(ctx, run_id, worker_id, values, update_set)
+        return {"status": "idle", "last_idle_time": now, "current_rollout_id": None, "current_attempt_id": None}
+    if attempt_status in ("timeout", "unresponsive"):
+        return {"status": "unknown", "last_idle_time": now, "current_rollout_id": None, "current_attempt_id": None}
+    values: dict[str, Any] = {
+        "status": "busy",
+        "last_busy_time": now,
+        "current_rollout_id": rollout_id,
+        "current_attempt_id": attempt_id,
+    }
+    if claim:
+        values["last_dequeue_time"] = now
+    return values
+
+
+def write_worker(ctx: UnitContext, run_id: int, worker_id: str, values: dict[str, Any], prefix: str = "w_") -> d.Write:
+    """Creating the worker row with ``values``, or writing only those columns into it (an upsert;
+    ``prefix`` names its parameters apart from those of other writes in the same statement).
+    Successive writes of one worker are one write of their merged values, later ones winning."""
+    return _upsert(ctx, run_id, worker_id, values, _take(*values), prefix)
 
 
 def update_worker(
