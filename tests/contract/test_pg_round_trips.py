@@ -617,6 +617,52 @@ async def test_concurrent_attempt_updates_share_one_transaction(
         await store.close()
 
 
+async def test_attempt_update_batches_take_one_statement_per_mix_of_shapes_and_at_most_16_calls(
+    wire: tuple[WireCounter, str, str],
+) -> None:
+    """The write statement of a batch depends on which kinds of update it holds and how many of
+    each, not on their order: two batches of the same mix in opposite orders prepare one statement.
+    A turn's 20 calls run as two batches (``UPDATE_BATCH_MAX``), each in its own transaction."""
+    from lightning_sql.store.sql import rollouts as ro
+    from lightning_sql.store.sql import statements
+
+    counter, url, schema = wire
+    store = _open(url, schema, scan_debounce_seconds=3600)
+    try:
+        await store.enqueue_many_rollouts([EnqueueRolloutRequest(input={"i": i}) for i in range(28)])
+        claimed = [await store.dequeue_rollout(worker_id=f"w{i}") for i in range(28)]
+        assert all(ar is not None for ar in claimed)
+
+        def written() -> set[Any]:
+            return {key for key in list(statements._CACHE) if isinstance(key, tuple) and key[0] == "writes_in_one_statement"}
+
+        def done(ar: Any) -> Any:
+            return store.update_attempt(ar.rollout_id, ar.attempt.attempt_id, status="succeeded")
+
+        def tagged(ar: Any) -> Any:
+            return store.update_attempt(ar.rollout_id, ar.attempt.attempt_id, metadata={"k": 1})
+
+        before = written()
+        await asyncio.gather(done(claimed[0]), tagged(claimed[1]), tagged(claimed[2]))
+        first = written() - before
+        await asyncio.gather(tagged(claimed[3]), tagged(claimed[4]), done(claimed[5]))
+        assert len(first) == 1 and written() - before == first
+        assert [(await store.get_rollout_by_id(ar.rollout_id)).status for ar in claimed[:6]] == [
+            "succeeded", "preparing", "preparing", "preparing", "preparing", "succeeded"
+        ]
+
+        assert ro.UPDATE_BATCH_MAX == 16
+        rest = claimed[8:]
+        mark = counter.mark()
+        got = await asyncio.gather(*(done(ar) for ar in rest))
+        seen = counter.since(mark)
+        assert [a.status for a in got] == ["succeeded"] * 20
+        assert sorted(q.split()[0] for q in seen.queries) == ["BEGIN"] * 2 + ["COMMIT;"] * 2, seen.queries
+        assert len(seen.statements) == 4, seen  # each batch: one lock, one write statement
+    finally:
+        await store.close()
+
+
 async def test_the_checker_reads_one_snapshot(wire: tuple[WireCounter, str, str]) -> None:
     counter, url, schema = wire
     store = _open(url, schema)

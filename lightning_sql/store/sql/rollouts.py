@@ -713,9 +713,10 @@ def update_attempt(
     ctx: UnitContext, run_id: int, now: float, rollout_id: str, attempt_id: str, changes: dict[str, Any]
 ) -> Attempt:
     row, attempt_row = resolve_attempt(ctx, run_id, rollout_id, attempt_id, lock=True)
-    writes, worker = _attempt_writes(ctx, run_id, now, row, attempt_row, changes, "")
-    if not writes:
+    specs, worker = _attempt_writes(ctx, run_id, now, row, attempt_row, changes)
+    if not specs:
         return attempt_from_row(attempt_row)
+    writes = [_spec_write(spec, "") for spec in specs]
     if worker is not None:
         writes.append(write_worker(ctx, run_id, *worker))
     new_row = d.run_writes(ctx, writes)
@@ -723,13 +724,33 @@ def update_attempt(
     return attempt_from_row(new_row)
 
 
+@dataclass(frozen=True)
+class _RowWrite:
+    """Writing ``values`` into the row of ``table`` named by ``keys`` (``_row_write``), before its
+    parameters are named: ``shape`` tells which statement it takes."""
+
+    table: Any
+    keys: dict[str, Any]
+    values: dict[str, Any]
+    returning: bool = False
+
+    @property
+    def shape(self) -> tuple[str, tuple[str, ...], tuple[str, ...], bool]:
+        return (self.table.name, tuple(self.keys), tuple(self.values), self.returning)
+
+
+def _spec_write(spec: _RowWrite, tag: str) -> d.Write:
+    """``spec`` as a prebuilt write whose parameters ``tag`` names apart (``ua<tag>_``: attempts)."""
+    prefix = f"u{spec.table.name[0]}{tag}_"
+    return _row_write(spec.table, spec.keys, spec.values, prefix=prefix, returning=spec.returning)
+
+
 def _attempt_writes(
-    ctx: UnitContext, run_id: int, now: float, row: Any, attempt_row: Any, changes: dict[str, Any], tag: str
-) -> tuple[list[d.Write], tuple[str, dict[str, Any]] | None]:
-    """The writes of one ``update_attempt`` of the locked ``row`` and ``attempt_row`` (none when
-    nothing changes), the attempt's first (it returns the updated row), and what it writes into
-    a worker's row, ``(worker_id, values)`` or None (``workers.write_worker``); ``tag`` names the
-    writes' parameters apart from those of other calls' writes in the same statement."""
+    ctx: UnitContext, run_id: int, now: float, row: Any, attempt_row: Any, changes: dict[str, Any]
+) -> tuple[list[_RowWrite], tuple[str, dict[str, Any]] | None]:
+    """The row writes of one ``update_attempt`` of the locked ``row`` and ``attempt_row`` (none
+    when nothing changes), the attempt's first (it returns the updated row), and what it writes
+    into a worker's row, ``(worker_id, values)`` or None (``workers.write_worker``)."""
     values: dict[str, Any] = {}
     for key in ("status", "worker_id", "last_heartbeat_time", "metadata"):
         if key in changes:
@@ -743,7 +764,7 @@ def _attempt_writes(
     # The attempt's row, the rollout's and the worker's are written together (dialect.run_writes:
     # one statement on PostgreSQL): what follows from the attempt's new status and worker is decided
     # here from the locked row and the changes, not read back.
-    writes = [_row_write(A, keys, values, prefix=f"ua{tag}_", returning=True)]
+    writes = [_RowWrite(A, keys, values, returning=True)]
     status = values.get("status", attempt_row.status)
     if "status" in changes and attempt_row.sequence_id == row.attempt_count and row.status != "cancelled":
         config = RolloutConfig.model_construct(
@@ -759,11 +780,17 @@ def _attempt_writes(
                 rvalues["end_time"] = now
                 ctx.announce(run_id, "finished")
             rvalues.update(enter_or_leave_queue(ctx, run_id, row.status, new_status, row.queue_seq))
-            writes.append(_row_write(R, {"run_id": run_id, "rollout_id": rollout_id}, rvalues, prefix=f"ur{tag}_"))
+            writes.append(_RowWrite(R, {"run_id": run_id, "rollout_id": rollout_id}, rvalues))
     wid = values["worker_id"] if "worker_id" in values else attempt_row.worker_id
     if ("worker_id" in changes and changes["worker_id"]) or ("status" in changes and wid):
         return writes, (wid, worker_following(now, status, rollout_id, aid, claim=False))
     return writes, None
+
+
+# The calls of one batch of ``update_attempt``s on the I/O loop (``BatchUnit.max_batch``): a turn's
+# further calls form another batch, on another connection. It bounds a batch's statement (three
+# CTEs per call) and the number of statements that batches of mixed shapes prepare.
+UPDATE_BATCH_MAX = 16
 
 
 def update_attempt_batch(
@@ -788,29 +815,30 @@ def update_attempt_batch(
     ):
         return _update_attempts_in_order(ctx, run_id, calls)
     found = d.lock_rollouts_and_attempts(ctx, run_id, pairs, ROLLOUT_COLUMNS)
-    writes: list[d.Write] = []
-    rows_of: list[int] = []
-    results: list[Any] = []  # each call's attempt row as locked, or None when it is written
+    planned: list[tuple[Any, list[_RowWrite]]] = []  # each call's locked attempt row and row writes
     workers: dict[str, dict[str, Any]] = {}  # what the calls write into each worker's row, merged
-    for index, (now, (rollout_id, attempt_id, changes)) in enumerate(calls):
+    for now, (rollout_id, attempt_id, changes) in calls:
         row, attempt_row = _resolved(*found.get(rollout_id, (None, None)), rollout_id, attempt_id)
-        own, worker = _attempt_writes(ctx, run_id, now, row, attempt_row, changes, str(index))
+        specs, worker = _attempt_writes(ctx, run_id, now, row, attempt_row, changes)
         if worker is not None:
             wid, values = worker
             workers.setdefault(wid, {}).update(values)  # a later call's columns win, as in order
-        if own:
-            results.append(None)
-            rows_of.append(len(writes))
-            writes.extend(own)
-        else:
-            results.append(attempt_row)
-    if not writes:
-        return [attempt_from_row(row) for row in results]
-    writes.extend(write_worker(ctx, run_id, wid, values, f"w{n}_") for n, (wid, values) in enumerate(workers.items()))
+        planned.append((attempt_row, specs))
+    if not any(specs for _row, specs in planned):  # (a call that writes a worker writes its attempt)
+        return [attempt_from_row(attempt_row) for attempt_row, _specs in planned]
+    # The writes go into the statement sorted by their shapes, so that it depends on which shapes
+    # the batch holds and how many of each, not on the calls' order (fewer statements to prepare).
+    writes: list[d.Write] = []
+    rows_of: list[int] = []
+    for tag, (_row, specs) in enumerate(sorted((p for p in planned if p[1]), key=lambda p: [w.shape for w in p[1]])):
+        rows_of.append(len(writes))
+        writes.extend(_spec_write(spec, str(tag)) for spec in specs)
+    ordered = sorted(workers.items(), key=lambda item: tuple(item[1]))
+    writes.extend(write_worker(ctx, run_id, wid, values, f"w{tag}_") for tag, (wid, values) in enumerate(ordered))
     written = {row.rollout_id: row for row in d.run_writes_rows(ctx, writes, rows_of)}
     return [
-        attempt_from_row(written[rollout_id] if result is None else result)
-        for result, (_now, (rollout_id, _aid, _changes)) in zip(results, calls, strict=True)
+        attempt_from_row(written[attempt_row.rollout_id] if specs else attempt_row)
+        for attempt_row, specs in planned
     ]
 
 

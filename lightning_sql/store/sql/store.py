@@ -330,6 +330,7 @@ class SqlLightningStore(StoreInstance, LightningStore):
             ro.update_attempt_batch,  # concurrent calls: one transaction (fewer round trips)
             (rollout_id, attempt_id, changes),
             sweeps=True,
+            max_batch=ro.UPDATE_BATCH_MAX,
         )
 
     @staticmethod
