@@ -26,7 +26,7 @@ from sqlalchemy import event
 from lightning_sql import EnqueueRolloutRequest, SqlLightningStore
 from tests.conftest import PG_URL, BackendSpec
 from tests.contract.test_spans import make_span
-from tests.helpers import pg_execute, pg_fetch
+from tests.helpers import FakeClock, pg_execute, pg_fetch
 
 pytestmark = pytest.mark.postgres
 
@@ -217,8 +217,11 @@ async def _rows_read(schema: str) -> int:
 
 
 # A backend reports its table statistics at most once a second, and within about a second of going
-# idle (PostgreSQL 15): waiting this long before reading them sees every call made before.
-STATS_FLUSH_SECONDS = 2.5
+# idle, unless it finds the shared statistics locked; it then tries again 10 s later (PostgreSQL 15,
+# PGSTAT_IDLE_INTERVAL). Waiting this long before reading them sees every call made before: with
+# 2.5 s the test below counted 114 to 2,121 rows per lifecycle in consecutive runs on a 2-core
+# machine (earlier lifecycles' reads arriving late), with 11 s 24.0 in each of three.
+STATS_FLUSH_SECONDS = 11.0
 
 
 async def _run_lifecycles(store: SqlLightningStore, n: int, runners: int = CALLERS) -> None:
@@ -243,19 +246,28 @@ async def test_a_run_that_starts_small_reads_by_key_once_it_has_grown(pg_backend
     """A connection keeps the generic plan it made of a prepared statement after five executions,
     whatever the tables grow to, until something (an ANALYZE) invalidates it; made on a table of a
     page or two, that plan scans the table, and rightly so then. The store analyses its tables as
-    they grow (ADR 0006), so that plans are made again: after a run that started with 40 rollouts
-    has grown to 4,000, a lifecycle reads a few rows by key, not the run (measured: 7-8 rows per
-    lifecycle; 2,200-5,000 with ``analyze_check_seconds=None``). The sweep runs at most once a
-    second (it reads the run's rollouts in flight). Rows are counted, not timed."""
+    they grow (ADR 0006), when its lazy sweep runs: after a run that started with 40 rollouts has
+    grown to 4,000, a lifecycle reads a few rows by key, not the run (measured on 2026-12-03: 24.0
+    rows per lifecycle in three runs; 3,672-3,679 with ``analyze_check_seconds=None``; 2026-12-02,
+    counted with sweeps among the lifecycles and a 2.5-s wait for the statistics: 7-8 and
+    2,200-5,000). The store clock is the test's: a sweep (at most one per second of it) runs where
+    the test moves it, before each growth step and once after, never in the lifecycles counted (a
+    sweep reads rows of its own, which are not what is measured here). Rows are counted, not
+    timed."""
     assert pg_backend.schema is not None
-    store = pg_backend.open(run="r", scan_debounce_seconds=1, analyze_check_seconds=0)
+    clock = FakeClock(1_000_000.0)
+    store = pg_backend.open(run="r", scan_debounce_seconds=1, analyze_check_seconds=0, clock=clock)
     try:
         await store.enqueue_many_rollouts([EnqueueRolloutRequest(input={"i": i}) for i in range(40)])
         await _run_lifecycles(store, 40)  # every statement planned on tiny tables
         await store.enqueue_many_rollouts([EnqueueRolloutRequest(input={"i": i}) for i in range(4000)])
-        await _run_lifecycles(store, 300)  # the run grows; its tables get analysed as they do
+        for _step in range(6):  # the run grows; its tables get analysed as they do
+            clock.advance(2.0)
+            await _run_lifecycles(store, 50)
+        clock.advance(2.0)
+        await _run_lifecycles(store, 1)  # the last sweep, and the last look for tables to analyse
         before = await _rows_read(pg_backend.schema)
-        await _run_lifecycles(store, 100)
+        await _run_lifecycles(store, 100)  # the clock stands still: no sweep
         per_lifecycle = (await _rows_read(pg_backend.schema) - before) / 100
         assert per_lifecycle < 100, per_lifecycle
     finally:

@@ -736,31 +736,43 @@ def lock_rollouts_and_attempts(
 def _lock_pairs_statement(columns: Sequence[Any]) -> Any:
     R, A = s.rollouts, s.attempts
     run_id = bindparam("lm_run_id", type_=Integer)
-    rollout_ids = bindparam("lm_rollout_ids", type_=ARRAY(Text))
     wanted = (
-        func.unnest(rollout_ids, bindparam("lm_attempt_ids", type_=ARRAY(Text)))
+        func.unnest(bindparam("lm_rollout_ids", type_=ARRAY(Text)), bindparam("lm_attempt_ids", type_=ARRAY(Text)))
         .table_valued("rollout_id", "attempt_id")
         .render_derived(name="wanted")
     )
-    locked = (
+    # One look-up per rollout by its key (no `= ANY` on the run's rows: ADR 0007), in the order of
+    # the span batch's locks (`_span_ingest_many_statement`), each attempt after its rollout.
+    ordered = (
+        select(wanted.c.rollout_id.collate("C").label("rollout_id"), wanted.c.attempt_id)
+        .order_by(wanted.c.rollout_id.collate("C"))
+        .subquery("ordered")
+    )
+    rollout = (
         select(*columns, R.c.attempt_count, R.c.queue_seq)
-        .where(R.c.run_id == run_id, R.c.rollout_id == func.any(rollout_ids))
-        .order_by(R.c.rollout_id)
+        .where(R.c.run_id == run_id, R.c.rollout_id == ordered.c.rollout_id)
+        .limit(1)
         .with_for_update()
-        .cte("locked_rollouts")
+        .lateral("locked_rollout")
     )
     which = or_(
-        and_(wanted.c.attempt_id.is_(None), A.c.sequence_id == locked.c.attempt_count),
-        A.c.attempt_id == wanted.c.attempt_id,
+        and_(ordered.c.attempt_id.is_(None), A.c.sequence_id == rollout.c.attempt_count),
+        A.c.attempt_id == ordered.c.attempt_id,
     )
     attempt = (
         select(A)
-        .where(A.c.run_id == run_id, A.c.rollout_id == locked.c.rollout_id, which)
+        .where(A.c.run_id == run_id, A.c.rollout_id == rollout.c.rollout_id, which)
+        .limit(1)
         .with_for_update()
         .lateral("locked_attempt")
     )
-    joined = locked.join(wanted, wanted.c.rollout_id == locked.c.rollout_id).outerjoin(attempt, true())
-    return select(locked, *(attempt.c[name].label(f"a_{name}") for name in _ATTEMPT_NAMES)).select_from(joined)
+    joined = ordered.join(rollout, true()).outerjoin(attempt, true())
+    return select(
+        *(rollout.c[c.name] for c in columns),
+        rollout.c.attempt_count,
+        rollout.c.queue_seq,
+        *(attempt.c[name].label(f"a_{name}") for name in _ATTEMPT_NAMES),
+    ).select_from(joined)
 
 
 @dataclass(frozen=True)
