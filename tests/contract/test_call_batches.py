@@ -547,8 +547,8 @@ async def _distinct_attempt_calls(store: Any, *, one_worker: bool) -> tuple[list
     to the first call's worker (two calls write one worker's row)."""
     from lightning_sql.types import RolloutConfig
 
-    started = [await store.start_rollout({"i": i}) for i in range(5)]
-    started[1] = await store.start_rollout({"i": 1}, config=RolloutConfig(max_attempts=2, retry_condition=["failed"]))
+    retry = RolloutConfig(max_attempts=2, retry_condition=["failed"])
+    started = [await store.start_rollout({"i": i}, config=retry if i == 1 else None) for i in range(5)]
     ids = [ar.rollout_id for ar in started]
     aids = [ar.attempt.attempt_id for ar in started]
     beat: dict[str, Any] = {"status": "running", "worker_id": "w0"} if one_worker else {}
