@@ -624,3 +624,89 @@ async def test_an_attempt_update_batch_with_unknown_ids_fails_those_calls_only(s
     assert (await store.get_rollout_by_id(second.rollout_id)).status == "succeeded"
     assert [a.status for a in await store.query_attempts(third.rollout_id)] == ["preparing" if distinct else "succeeded"]
     assert [a.status for a in await store.query_attempts(second.rollout_id)] == ["succeeded"]
+
+
+async def _alone_updates(store: Any, clock: Any) -> tuple[list[Any], list[Any]]:
+    """``update_attempt`` calls awaited alone, of every case that PostgreSQL's one-statement path
+    (``rollouts.fits_one_statement``) takes: what they returned (or raised), and the state left."""
+    from lightning_sql.types import RolloutConfig
+
+    start = clock()
+    retry = RolloutConfig(max_attempts=3, retry_condition=["failed"])
+    await store.enqueue_many_rollouts([EnqueueRolloutRequest(input={"i": i}, config=retry) for i in range(6)])
+    claimed = [await store.dequeue_rollout(worker_id=w) for w in ("w0", "w1", "w2", "w3", "", None)]
+    ids = [ar.rollout_id for ar in claimed]
+    aids = [ar.attempt.attempt_id for ar in claimed]
+    got: list[Any] = []
+
+    async def call(rollout_id: str, attempt_id: str, **changes: Any) -> None:
+        clock.set(clock() + 1.0)
+        try:
+            got.append(await store.update_attempt(rollout_id, attempt_id, **changes))
+        except ValueError as exc:
+            got.append(str(exc))
+
+    await call(ids[0], aids[0], status="running", last_heartbeat_time=start + 0.5, metadata={"k": 1})
+    await call(ids[0], aids[0], status="succeeded")
+    await call(ids[0], aids[0], status="succeeded")  # again: the rollout is succeeded already
+    # A requeued rollout whose latest attempt succeeds leaves the queue; then runs, then prepares.
+    await call(ids[1], aids[1], status="failed")
+    await call(ids[1], aids[1], status="succeeded")
+    await call(ids[1], aids[1], status="running")
+    await call(ids[1], aids[1], status="preparing")
+    await store.update_rollout(ids[2], status="cancelled")
+    await call(ids[2], aids[2], status="succeeded")  # a cancelled rollout stays cancelled
+    # A retried rollout: its first attempt is no longer the latest, and its rollout does not follow it.
+    await call(ids[3], aids[3], status="failed")
+    second = await store.dequeue_rollout(worker_id="w3")
+    assert second is not None and second.rollout_id == ids[3]
+    aids.append(second.attempt.attempt_id)
+    await call(ids[3], aids[3], status="succeeded")
+    await call(ids[3], aids[6], status="running", metadata=None)
+    await call(ids[4], aids[4], status="succeeded")  # upstream's falsy worker id: no worker row
+    await call(ids[5], aids[5], status="succeeded")  # no worker
+    await call(ids[3], "at-missing", status="succeeded")
+    await call("ro-missing", aids[3], status="succeeded")
+    def view(g: Any) -> Any:
+        if isinstance(g, str):
+            return g.replace(ids[3], "<ro-3>")
+        return (ids.index(g.rollout_id), aids.index(g.attempt_id), g.status, g.end_time, g.last_heartbeat_time, g.metadata)
+
+    views = [view(g) for g in got]
+    state = []
+    for rid in ids:
+        rollout = await store.get_rollout_by_id(rid)
+        attempts = [(a.sequence_id, a.status, a.worker_id, a.metadata, a.end_time, a.last_heartbeat_time) for a in await store.query_attempts(rid)]
+        state.append((ids.index(rid), rollout.status, rollout.end_time, attempts))
+    workers = sorted(
+        (w.worker_id, w.status, w.last_idle_time, w.last_busy_time, w.current_rollout_id and ids.index(w.current_rollout_id))
+        for w in await store.query_workers()
+    )
+    queued = await store.dequeue_rollout(worker_id="w9")
+    state.append(None if queued is None else ids.index(queued.rollout_id))
+    return views, [state, workers]
+
+
+@pytest.mark.parametrize("backend", ["postgres"], indirect=True)
+async def test_an_attempt_update_alone_in_one_statement_does_what_its_transaction_does(
+    store_factory: Any, clock: Any, monkeypatch: Any
+) -> None:
+    """PostgreSQL runs an ``update_attempt`` awaited alone that fits one statement without a
+    transaction: each call returns, raises and leaves behind what the transaction path does (the
+    rollout follows only its latest attempt, never a cancelled rollout, leaves the queue; the
+    worker's row, none for no worker or a falsy one)."""
+    start = clock()
+    fast = store_factory(run="one-statement", scan_debounce_seconds=3600)
+    one_statement = await _alone_updates(fast, clock)
+    assert ro._ONE_STATEMENT_STATUSES == {"preparing", "running", "succeeded"}
+    monkeypatch.setattr(ro, "fits_one_statement", lambda _attempt_id, _changes: False)
+    clock.set(start)
+    slow = store_factory(run="transaction", scan_debounce_seconds=3600)
+    in_transaction = await _alone_updates(slow, clock)
+    assert one_statement == in_transaction
+    views, (state, workers) = one_statement
+    assert views[-2:] == ["Attempt at-missing not found for rollout <ro-3>", "Rollout ro-missing not found"]
+    assert [status for _i, status, *_rest in state[:6]] == ["succeeded", "preparing", "cancelled", "running", "succeeded", "succeeded"]
+    assert [a[:2] for a in state[3][3]] == [(1, "succeeded"), (2, "running")]
+    assert [w[0] for w in workers] == ["w0", "w1", "w2", "w3"]
+    assert state[6] is None  # the queued rollout left the queue when its latest attempt ran

@@ -13,7 +13,9 @@ Guarantees:
 * a write unit is one transaction: BEGIN, its statements, its notifications in one statement, COMMIT;
   except the claim, a one-rollout sequence-id reservation and spans of one attempt, which are
   one statement each without BEGIN/COMMIT (concurrent span adds of one attempt each: one for all); ``update_attempt`` is BEGIN, one statement locking its
-  rows, one writing them (with the notification), COMMIT;
+  rows, one writing them (with the notification), COMMIT; awaited alone, an update of a concrete
+  attempt to a status its rollout's follows one to one (preparing, running, succeeded) is one
+  statement without BEGIN/COMMIT;
 * the invariant checker still reads in one REPEATABLE READ READ ONLY transaction.
 """
 
@@ -568,6 +570,64 @@ async def test_an_attempt_update_locks_in_one_statement_and_writes_in_one(
         await asyncio.sleep(0.05)
         # The enqueue's "queued", five "finished", the requeue's "queued": each exactly once.
         assert sorted(p.split(":", 1)[1] for p in payloads) == ["finished"] * 5 + ["queued"] * 2, payloads
+    finally:
+        await listener.close()
+        await store.close()
+
+
+async def test_an_attempt_update_alone_to_a_one_to_one_status_is_one_statement(
+    wire_own_database: tuple[WireCounter, str, str],
+) -> None:
+    """``update_attempt`` of a concrete attempt to running / succeeded, awaited alone: ONE statement
+    without BEGIN/COMMIT (it locks the rollout and then the attempt, writes both, the worker's row
+    and, for a finished rollout, the notification): one round trip.  An attempt it does not find
+    costs that statement (which writes nothing) and then the transaction that raises the error."""
+    counter, url, schema = wire_own_database
+    store = _open(url, schema)
+    payloads: list[str] = []
+    listener = await _listening(url, schema, payloads)
+    try:
+        await store.enqueue_many_rollouts([EnqueueRolloutRequest(input={"i": i}) for i in range(5)])
+        claimed = [await store.dequeue_rollout(worker_id="w1") for _ in range(5)]
+        assert all(ar is not None for ar in claimed)
+        for ar in claimed[:2]:  # warm: the connection prepares the statements
+            assert ar is not None
+            await store.update_attempt(ar.rollout_id, ar.attempt.attempt_id, status="running")
+            await store.update_attempt(ar.rollout_id, ar.attempt.attempt_id, status="succeeded")
+        await asyncio.sleep(0.05)
+        payloads.clear()
+        rest = claimed[2:]
+
+        async def run_then_finish(i: int) -> None:
+            ar = rest[i // 2]
+            assert ar is not None
+            status = "running" if i % 2 == 0 else "succeeded"
+            attempt = await store.update_attempt(ar.rollout_id, ar.attempt.attempt_id, status=status)
+            assert attempt.status == status and (attempt.end_time is not None) == (status == "succeeded")
+
+        per_call, seen = await _measure(counter, run_then_finish, 6)
+        assert seen.queries == [] and len(seen.statements) == 6 and per_call == 1, seen
+        assert all("FOR UPDATE" in st and ".attempts SET" in st for st in seen.statements), seen.statements[0]
+        for ar in rest:
+            assert ar is not None
+            rollout = await store.get_rollout_by_id(ar.rollout_id)
+            assert rollout is not None and rollout.status == "succeeded" and rollout.end_time is not None
+        worker = await store.get_worker_by_id("w1")
+        assert worker is not None and worker.status == "idle" and worker.current_rollout_id is None
+        deadline = asyncio.get_running_loop().time() + 5
+        while len(payloads) < 3 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        assert [p.split(":", 1)[1] for p in payloads] == ["finished"] * 3, payloads  # not for "running"
+
+        ar = rest[0]
+        assert ar is not None
+        mark = counter.mark()
+        with pytest.raises(ValueError, match=f"Attempt at-missing not found for rollout {ar.rollout_id}"):
+            await store.update_attempt(ar.rollout_id, "at-missing", status="succeeded")
+        seen = counter.since(mark)
+        assert [q.split()[0] for q in seen.queries] == ["BEGIN", "ROLLBACK;"], seen.queries
+        assert ".attempts SET" in seen.statements[0] and len(seen.statements) == 2, seen
     finally:
         await listener.close()
         await store.close()

@@ -775,6 +775,99 @@ def _lock_pairs_statement(columns: Sequence[Any]) -> Any:
     ).select_from(joined)
 
 
+def update_attempt_in_one_statement(
+    ctx: UnitContext,
+    run_id: int,
+    rollout_id: str,
+    attempt_id: str,
+    attempt_values: dict[str, Any],
+    rollout_values: dict[str, Any],
+    worker_values: dict[str, Any],
+) -> tuple[Any, bool] | None:
+    """One ``update_attempt`` whose rollout status follows its attempt's one to one (PostgreSQL, a
+    unit without a transaction): ONE statement locks the rollout, then its attempt ``attempt_id``
+    (as ``lock_rollout_and_attempt``), and writes, from what it locked:
+
+    * ``attempt_values`` into the attempt;
+    * ``rollout_values`` (``status``, and ``end_time`` when that status is a finished one) into the
+      rollout when the attempt is its latest, the rollout is neither cancelled nor in that status
+      already; a queued rollout leaves the queue (``queue_seq`` NULL), and a finished one is
+      notified (``<run_id>:finished``);
+    * ``worker_values`` into the row of the attempt's worker, when it has one (an upsert).
+
+    Returns (the attempt's row as written, whether the rollout's row was written), or None, having
+    written nothing, when the rollout or the attempt does not exist."""
+    assert ctx.dialect == "postgresql"
+    finished = "end_time" in rollout_values
+    key = ("update_attempt_in_one_statement", tuple(attempt_values), finished, tuple(worker_values))
+    stmt = cached(key, lambda: _update_attempt_statement(tuple(attempt_values), finished, tuple(worker_values)))
+    params: dict[str, Any] = {"lp_run_id": run_id, "lp_rollout_id": rollout_id, "lp_attempt_id": attempt_id}
+    params.update({f"oa_{col}": value for col, value in attempt_values.items()})
+    params.update({f"or_{col}": value for col, value in rollout_values.items()})
+    params.update({f"ow_{col}": value for col, value in worker_values.items()})
+    if finished:
+        params["on_channel"] = ctx.notify_channel
+        params["on_payload"] = f"{run_id}:finished"
+    row = ctx.execute(stmt, params).first()
+    if row is None:
+        return None
+    return row, bool(row.rollout_written)
+
+
+def _update_attempt_statement(attempt_cols: tuple[str, ...], finished: bool, worker_cols: tuple[str, ...]) -> Any:
+    R, A, W = s.rollouts, s.attempts, s.workers
+    run_id = bindparam("lp_run_id", type_=Integer)
+    pair = _lock_pair_statement("postgresql", [R.c.rollout_id, R.c.status], latest=False).cte("locked_pair")
+    write_attempt = (
+        update(A)
+        .where(A.c.run_id == run_id, A.c.rollout_id == pair.c.rollout_id, A.c.attempt_id == pair.c.a_attempt_id)
+        .values({col: bindparam(f"oa_{col}") for col in attempt_cols})
+        .returning(*A.c)
+        .cte("write_attempt")
+    )
+    new_status = bindparam("or_status", type_=Text)
+    rollout_set: dict[str, Any] = {
+        "status": new_status,
+        "queue_seq": case((_one_of(pair.c.status, QUEUED_STATUSES), None), else_=R.c.queue_seq),
+    }
+    if finished:
+        rollout_set["end_time"] = bindparam("or_end_time", type_=Float)
+    write_rollout = (
+        update(R)
+        .where(
+            R.c.run_id == run_id,
+            R.c.rollout_id == pair.c.rollout_id,
+            pair.c.a_sequence_id == pair.c.attempt_count,
+            pair.c.status != "cancelled",
+            pair.c.status != new_status,
+        )
+        .values(rollout_set)
+        .returning(R.c.rollout_id)
+        .cte("write_rollout")
+    )
+    worker = insert("postgresql", W).from_select(
+        ["run_id", "worker_id", "create_seq", *worker_cols],
+        select(
+            run_id,
+            pair.c.a_worker_id,
+            next_create_seq("postgresql", W, run_id),
+            *(bindparam(f"ow_{col}", type_=W.c[col].type) for col in worker_cols),
+        ).where(pair.c.a_worker_id != ""),  # no worker (NULL) or upstream's falsy one: no row
+    )
+    write_worker = worker.on_conflict_do_update(
+        index_elements=[W.c.run_id, W.c.worker_id], set_={col: worker.excluded[col] for col in worker_cols}
+    ).cte("write_worker")
+    written = select(func.count()).select_from(write_rollout).scalar_subquery().label("rollout_written")
+    stmt = select(write_attempt, written).add_cte(write_worker)
+    if finished:
+        # A volatile output of a subquery is never pruned: the notification goes out with the write.
+        sent = select(
+            func.pg_notify(bindparam("on_channel", type_=Text), bindparam("on_payload", type_=Text)).label("sent")
+        ).select_from(write_rollout).subquery("sent")
+        stmt = stmt.add_columns(select(func.count()).select_from(sent).scalar_subquery().label("notified"))
+    return stmt
+
+
 @dataclass(frozen=True)
 class Write:
     """One prebuilt write statement (``build()``, cached under ``key``) and its parameters.  Writes that

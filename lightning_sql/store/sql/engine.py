@@ -241,6 +241,9 @@ class UnitContext:
     # sends only the others.
     notified: set[tuple[int, str]] = field(default_factory=set)
     notify_channel: str = NOTIFY_CHANNEL  # PostgreSQL: where they go (``notify_channel(schema)``)
+    # PostgreSQL: the unit runs without a transaction (``AsyncLoopWorker``'s ``autocommit``): each
+    # statement commits on its own and holds no lock beyond its end.
+    autocommit: bool = False
 
     def announce(self, run_id: int, kind: str) -> None:
         """Record a ``finished``/``queued`` event, delivered once per kind and run after commit."""
@@ -1638,7 +1641,13 @@ class AsyncLoopWorker(IoWorker):
                     conn.execution_options(isolation_level="REPEATABLE READ", postgresql_readonly=True)
                 elif aiosqlite:
                     conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
-                ctx = UnitContext(conn, dialect, attempt=attempt, notify_channel=self.notify_channel)
+                ctx = UnitContext(
+                    conn,
+                    dialect,
+                    attempt=attempt,
+                    notify_channel=self.notify_channel,
+                    autocommit=isolation == self._PG_AUTOCOMMIT,
+                )
                 holder["ctx"] = ctx
                 try:
                     result = unit(ctx)

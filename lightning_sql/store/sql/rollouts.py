@@ -787,6 +787,52 @@ def _attempt_writes(
     return writes, None
 
 
+# What an ``update_attempt`` may change to run as ONE statement without a transaction on PostgreSQL
+# (``fits_one_statement``): attempt statuses that the rollout's follows one to one (no retry
+# decision, no queue position to allocate), and attempt columns written as given.
+_ONE_STATEMENT_STATUSES = frozenset({"preparing", "running", "succeeded"})
+_ONE_STATEMENT_CHANGES = frozenset({"status", "last_heartbeat_time", "metadata"})
+
+
+class NeedsTransaction(Exception):
+    """An ``update_attempt`` unit without a transaction wrote nothing (its rollout or attempt was not
+    found): the call runs again in a transaction, which resolves it (and raises its error)."""
+
+
+def fits_one_statement(attempt_id: str, changes: dict[str, Any]) -> bool:
+    """Whether an ``update_attempt`` alone may run as one statement without a transaction on
+    PostgreSQL (``update_attempt_batch``): a concrete attempt id that can be stored, a status
+    change to one of ``_ONE_STATEMENT_STATUSES``, and no other change but heartbeat and metadata."""
+    return (
+        changes.get("status") in _ONE_STATEMENT_STATUSES
+        and changes.keys() <= _ONE_STATEMENT_CHANGES
+        and attempt_id != "latest"
+        and is_storable_text(attempt_id)
+    )
+
+
+def _update_attempt_in_one_statement(
+    ctx: UnitContext, run_id: int, now: float, rollout_id: str, attempt_id: str, changes: dict[str, Any]
+) -> Attempt:
+    """``update_attempt`` as ONE statement that locks and writes what ``_attempt_writes`` decides
+    (``dialect.update_attempt_in_one_statement``), for a call that ``fits_one_statement``."""
+    status = changes["status"]
+    values = dict(changes)
+    rollout_values: dict[str, Any] = {"status": status}
+    if status in FINISHED_STATUSES:  # (succeeded: the attempt's end too)
+        values["end_time"] = now
+        rollout_values["end_time"] = now
+    worker = worker_following(now, status, rollout_id, attempt_id, claim=False)
+    found = d.update_attempt_in_one_statement(ctx, run_id, rollout_id, attempt_id, values, rollout_values, worker)
+    if found is None:
+        raise NeedsTransaction(rollout_id, attempt_id)
+    row, rollout_written = found
+    if rollout_written and status in FINISHED_STATUSES:
+        ctx.announce(run_id, "finished")  # for this process's waiters: the statement notified the others
+        ctx.notified.add((run_id, "finished"))
+    return attempt_from_row(row)
+
+
 # The calls of one batch of ``update_attempt``s on the I/O loop (``BatchUnit.max_batch``): a turn's
 # further calls form another batch, on another connection. It bounds a batch's statement (three
 # CTEs per call) and the number of statements that batches of mixed shapes prepare.
@@ -806,6 +852,9 @@ def update_attempt_batch(
     Otherwise (SQLite, where a statement costs no round trip; two calls of one rollout, the second
     of which must see the first's writes) the calls run one after the other.
     A call's error fails the whole batch, whose calls then run alone (``_flush_batch``)."""
+    if ctx.autocommit:  # PostgreSQL, a call alone that fits one statement (SqlLightningStore.update_attempt)
+        ((now, (rollout_id, attempt_id, changes)),) = calls
+        return [_update_attempt_in_one_statement(ctx, run_id, now, rollout_id, attempt_id, changes)]
     pairs = [(rollout_id, attempt_id) for _now, (rollout_id, attempt_id, _changes) in calls]
     if (
         ctx.dialect != "postgresql"

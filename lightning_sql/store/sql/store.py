@@ -325,10 +325,24 @@ class SqlLightningStore(StoreInstance, LightningStore):
                 _invalid_rollout_field("metadata", metadata, "Attempt")
             changes["metadata"] = encoded(metadata, "metadata")
         self._check_ids_for_attempt(rollout_id, attempt_id)
+        args = (rollout_id, attempt_id, changes)
+        if ro.fits_one_statement(attempt_id, changes):
+            # PostgreSQL: alone, one statement without a transaction, unless it finds nothing to write.
+            try:
+                return await self._call_batchable(
+                    "update_attempt",
+                    ro.update_attempt_batch,
+                    args,
+                    sweeps=True,
+                    autocommit=True,
+                    max_batch=ro.UPDATE_BATCH_MAX,
+                )
+            except ro.NeedsTransaction:
+                pass
         return await self._call_batchable(
             "update_attempt",
             ro.update_attempt_batch,  # concurrent calls: one transaction (fewer round trips)
-            (rollout_id, attempt_id, changes),
+            args,
             sweeps=True,
             max_batch=ro.UPDATE_BATCH_MAX,
         )
