@@ -10,6 +10,7 @@ holds the per-instance policy (options, run binding, clock, I/O hand-off, sweep 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import time
@@ -325,27 +326,21 @@ class SqlLightningStore(StoreInstance, LightningStore):
                 _invalid_rollout_field("metadata", metadata, "Attempt")
             changes["metadata"] = encoded(metadata, "metadata")
         self._check_ids_for_attempt(rollout_id, attempt_id)
-        args = (rollout_id, attempt_id, changes)
-        if ro.fits_one_statement(attempt_id, changes):
-            # PostgreSQL: alone, one statement without a transaction, unless it finds nothing to write.
-            try:
-                return await self._call_batchable(
-                    "update_attempt",
-                    ro.update_attempt_batch,
-                    args,
-                    sweeps=True,
-                    autocommit=True,
-                    max_batch=ro.UPDATE_BATCH_MAX,
-                )
-            except ro.NeedsTransaction:
-                pass
-        return await self._call_batchable(
+        call = functools.partial(
+            self._call_batchable,
             "update_attempt",
             ro.update_attempt_batch,  # concurrent calls: one transaction (fewer round trips)
-            args,
+            (rollout_id, attempt_id, changes),
             sweeps=True,
             max_batch=ro.UPDATE_BATCH_MAX,
         )
+        if ro.fits_one_statement(attempt_id, changes):
+            # PostgreSQL: alone, one statement without a transaction, unless it finds nothing to write.
+            try:
+                return await call(autocommit=True)
+            except ro.NeedsTransaction:
+                pass
+        return await call()
 
     @staticmethod
     def _check_ids_for_attempt(rollout_id: str, attempt_id: str) -> None:
