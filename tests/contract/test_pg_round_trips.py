@@ -341,6 +341,39 @@ async def test_a_write_is_one_transaction(wire: tuple[WireCounter, str, str]) ->
         await store.close()
 
 
+async def test_enqueueing_many_rollouts_costs_the_round_trips_of_one(wire: tuple[WireCounter, str, str]) -> None:
+    counter, url, schema = wire
+    store = _open(url, schema)
+    try:
+        await store.enqueue_many_rollouts([EnqueueRolloutRequest(input={"warm": True})])
+        mark = counter.mark()
+        await store.enqueue_many_rollouts([EnqueueRolloutRequest(input={"task": 0})])
+        one = counter.since(mark)
+        mark = counter.mark()
+        await store.enqueue_many_rollouts([EnqueueRolloutRequest(input={"task": i}) for i in range(500)])
+        many = counter.since(mark)
+        # One INSERT for all 500 (not one per row): the same round trips as a call of one.
+        assert many.ready == one.ready, (one, many)
+        assert len([st for st in many.statements if st.lstrip().upper().startswith("INSERT")]) == 1, many
+        # With idempotency keys, repeated and not: each repeat gets the rollout of its first request,
+        # and what came back is what is stored.
+        requests = [
+            EnqueueRolloutRequest(input={"task": i}, idempotency_key=f"k{i % 400}" if i % 2 else None)
+            for i in range(500)
+        ]
+        created = await store.enqueue_many_rollouts(requests)
+        assert created[401].rollout_id == created[1].rollout_id and created[403].rollout_id == created[3].rollout_id
+        assert (await store.enqueue_many_rollouts(requests[1:2]))[0].rollout_id == created[1].rollout_id
+        stored = {r.rollout_id: r for r in await store.query_rollouts()}
+        assert len(stored) == 2 + 500 + 250 + 200
+        for request, rollout in zip(requests, created, strict=True):
+            assert stored[rollout.rollout_id] == rollout
+            assert rollout.idempotency_key == request.idempotency_key
+            assert rollout.input == request.input or request.idempotency_key is not None
+    finally:
+        await store.close()
+
+
 async def test_reserving_sequence_ids_of_one_rollout_is_one_statement(
     wire: tuple[WireCounter, str, str],
 ) -> None:
