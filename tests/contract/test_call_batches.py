@@ -125,6 +125,70 @@ async def test_claims_one_by_one_match_the_batch(store_factory: Any) -> None:
     await _check_invariants(sequential, ids, results)
 
 
+# Calls of distinct workers: on PostgreSQL their batch is ONE statement without a transaction, the
+# claim writing their worker rows too (``dialect.ClaimingCall``); with a worker named twice (CALLS)
+# it is the transaction above.
+DISTINCT_CALLS: list[tuple[str | None, int | None]] = [
+    ("w0", None),
+    ("w1", 3),  # busy on the last of its three
+    ("", None),  # an empty worker id claims, and has no row
+    ("w2", 0),  # claims nothing: idle (it was busy before; it keeps its current rollout)
+    (None, None),
+    ("w3", 4),  # busy; it keeps its heartbeat and stats
+    ("w4", None),  # the queue is empty by now: idle (it was idle already: it keeps last_idle_time)
+    ("w5", 2),  # idle, a new row
+]
+DISTINCT_IN_ORDER = [[0], [1, 2, 3], [4], [], [5], [6, 7, 8, 9], [], []]
+
+
+async def _distinct_claims(store: Any, clock: Any, *, batch: bool) -> tuple[list[list[int]], list[dict[str, Any]]]:
+    """The calls of DISTINCT_CALLS on workers found in several states, issued at once (``batch``)
+    or one after the other: each call's share and the worker rows (ids as enqueue indexes)."""
+    clock.set(1_800_000_000.0)  # the same times for both runs
+    await store.update_worker("w3", {"gpu": 1})
+    await store.dequeue_rollout(worker_id="w4")  # nothing queued yet: w4 idle
+    prior = await store.start_rollout(input={"prior": True}, worker_id="w2")  # w2 busy on it
+    clock.advance(5)
+    ids = await _ready(store, 10)
+    clock.advance(5)
+    if batch:
+        before = _batched(store)
+        results = await _issue(store, DISTINCT_CALLS)
+        assert _batched(store) - before == len(DISTINCT_CALLS)
+    else:
+        results = [got for call in DISTINCT_CALLS for got in await _issue(store, [call])]
+    label = {rid: i for i, rid in enumerate(ids)} | {prior.rollout_id: "prior"}
+    attempts = {ar.attempt.attempt_id: label[ar.rollout_id] for got in results for ar in got}
+    attempts[prior.attempt.attempt_id] = "prior"
+    workers = []
+    for worker in await store.query_workers():  # in creation order
+        row = worker.model_dump()
+        row["current_rollout_id"] = label.get(row["current_rollout_id"], row["current_rollout_id"])
+        row["current_attempt_id"] = attempts.get(row["current_attempt_id"], row["current_attempt_id"])
+        workers.append(row)
+    return _shares(ids, results), workers
+
+
+async def test_a_batch_of_distinct_workers_writes_each_worker_row_as_calls_in_order_do(
+    store_factory: Any, clock: Any
+) -> None:
+    batched, batched_workers = await _distinct_claims(
+        store_factory(run="batch", scan_debounce_seconds=3600), clock, batch=True
+    )
+    sequential, sequential_workers = await _distinct_claims(
+        store_factory(run="sequential", scan_debounce_seconds=3600), clock, batch=False
+    )
+    assert batched == sequential == DISTINCT_IN_ORDER
+    assert batched_workers == sequential_workers
+    by_id = {row["worker_id"]: row for row in batched_workers}
+    assert [row["worker_id"] for row in batched_workers] == ["w3", "w4", "w2", "w0", "w1", "w5"]
+    assert by_id["w1"]["status"] == "busy" and by_id["w1"]["current_rollout_id"] == 3
+    assert by_id["w2"]["status"] == "idle" and by_id["w2"]["current_rollout_id"] == "prior"
+    assert by_id["w3"]["heartbeat_stats"] == {"gpu": 1} and by_id["w3"]["current_attempt_id"] == 9
+    assert by_id["w4"]["status"] == "idle" and by_id["w4"]["last_idle_time"] < by_id["w4"]["last_dequeue_time"]
+    assert by_id["w5"]["status"] == "idle" and by_id["w5"]["last_idle_time"] == by_id["w5"]["last_dequeue_time"]
+
+
 class _Boom(Exception):
     pass
 
@@ -164,6 +228,33 @@ async def test_a_failing_batch_is_rolled_back_and_its_calls_run_alone(
     await _check_invariants(store, ids, results)
     attempts = [a for rid in ids for a in await store.query_attempts(rid)]
     assert len(attempts) == 10  # the rolled-back batch's attempts are gone
+
+
+async def test_a_batch_that_fails_after_its_writes_leaves_each_call_its_share_once(
+    store_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An error after the batch's writes: in a transaction nothing stays and the calls claim again;
+    without one (PostgreSQL, distinct workers: one statement, committed) the calls run alone as
+    replays and find the attempts the statement made.  Either way every call gets its share once."""
+    real = ro.claim_batch
+    failed: list[int] = []
+
+    def failing(ctx: Any, run_id: int, calls: Any) -> Any:
+        result = real(ctx, run_id, calls)
+        if len(calls) > 1 and ctx.attempt == 0:
+            failed.append(len(calls))
+            raise _Boom("after the batch's writes")
+        return result
+
+    monkeypatch.setattr(ro, "claim_batch", failing)
+    store = store_factory(scan_debounce_seconds=3600)
+    ids = await _ready(store, 10)
+    results = await _issue(store, DISTINCT_CALLS)
+    assert failed == [len(DISTINCT_CALLS)] and _batched(store) == 0
+    assert _shares(ids, results) == DISTINCT_IN_ORDER
+    attempts = [a for rid in ids for a in await store.query_attempts(rid)]
+    assert len(attempts) == 10 and all(a.sequence_id == 1 for a in attempts)
+    assert {a.attempt_id for a in attempts} == {ar.attempt.attempt_id for got in results for ar in got}
 
 
 @SQLITE

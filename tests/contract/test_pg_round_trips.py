@@ -518,6 +518,43 @@ async def test_a_claim_is_one_statement_without_a_transaction(wire: tuple[WireCo
         await store.close()
 
 
+async def test_concurrent_claims_of_distinct_workers_are_one_statement(wire: tuple[WireCounter, str, str]) -> None:
+    """dequeue calls of distinct workers in one loop turn: ONE statement for all of them, worker rows
+    (busy, or idle on an empty queue) included, no BEGIN or COMMIT; a worker named twice: one
+    transaction (BEGIN, the claim, the worker rows, COMMIT)."""
+    counter, url, schema = wire
+    store = _open(url, schema)
+    try:
+        await store.enqueue_many_rollouts([EnqueueRolloutRequest(input={"i": i}) for i in range(30)])
+
+        async def turn(workers: list[str]) -> list[Any]:
+            return list(await asyncio.gather(*(store.dequeue_rollout(worker_id=w) for w in workers)))
+
+        await turn(["w0", "w1"])  # warm: the connection prepares the statement
+        mark = counter.mark()
+        claimed = await turn([f"w{i}" for i in range(8)])
+        seen = counter.since(mark)
+        assert all(ar is not None for ar in claimed)
+        assert seen.queries == [] and seen.ready == 1, seen
+        workers = {w.worker_id: w for w in await store.query_workers()}
+        for i, ar in enumerate(claimed):
+            assert workers[f"w{i}"].status == "busy" and workers[f"w{i}"].current_attempt_id == ar.attempt.attempt_id
+
+        mark = counter.mark()
+        await turn(["w0", "w1", "w0"])
+        seen = counter.since(mark)
+        assert [q.split()[0] for q in seen.queries] == ["BEGIN", "COMMIT;"], seen
+
+        await turn([f"w{i}" for i in range(20)])  # 17 left: this turn empties the queue
+        mark = counter.mark()
+        assert await turn(["w0", "w1", "w2"]) == [None, None, None]
+        seen = counter.since(mark)
+        assert seen.queries == [] and seen.ready == 1, seen  # the idle markings are in the statement
+        assert {w.status for w in await store.query_workers() if w.worker_id in ("w0", "w1", "w2")} == {"idle"}
+    finally:
+        await store.close()
+
+
 async def test_a_units_notifications_are_one_statement(
     wire_own_database: tuple[WireCounter, str, str], clock: FakeClock
 ) -> None:

@@ -222,6 +222,18 @@ def claim_in_one_statement(
     return list(ctx.execute(stmt, params).all())
 
 
+@dataclass(frozen=True)
+class ClaimingCall:
+    """A call of a batch of claims whose worker row the claim statement writes
+    (``claim_many_in_one_statement``): its worker, its ``now``, and the 1-based positions of its
+    first and last attempt ids among the batch's (``last = first - 1`` for a call of none)."""
+
+    worker_id: str
+    now: float
+    first: int
+    last: int
+
+
 def claim_many_in_one_statement(
     ctx: UnitContext,
     run_id: int,
@@ -229,22 +241,32 @@ def claim_many_in_one_statement(
     worker_ids: Sequence[str | None],
     nows: Sequence[float],
     returning: Sequence[Any],
+    workers: Sequence[ClaimingCall] | None = None,
 ) -> list[Any]:
     """PostgreSQL: ``claim_in_one_statement`` for the attempts of several calls, each attempt with
-    its own worker id and start time (the i-th picked rollout gets the i-th attempt), without the
-    worker rows (the caller writes them in call order).  Rows in queue order, as there."""
+    its own worker id and start time (the i-th picked rollout gets the i-th attempt).  Rows in queue
+    order, as there.  Without ``workers`` it leaves the worker rows to the caller (who writes them
+    in call order); with them the statement writes them too, what ``rollouts._worker_write`` does
+    for each call: busy on its last claimed rollout (an empty worker id: nothing), or idle when it
+    claimed none.  The workers must be distinct (one statement writes a row once)."""
     columns = tuple(c.name for c in returning)
     stmt = cached(
-        ("claim_many_one_statement", columns),
-        lambda: _claim_statement(returning, with_worker=False, per_attempt=True),
+        ("claim_many_one_statement", columns, workers is not None),
+        lambda: _claim_statement(returning, with_worker=False, per_attempt=True, with_workers=workers is not None),
     )
-    params = {
+    params: dict[str, Any] = {
         "claim_run_id": run_id,
         "claim_limit": len(attempt_ids),
         "claim_attempt_ids": list(attempt_ids),
         "claim_worker_ids": list(worker_ids),
         "claim_nows": list(nows),
     }
+    if workers is not None:
+        assert len({call.worker_id for call in workers}) == len(workers), "one write per worker row"
+        params["cw_worker_ids"] = [call.worker_id for call in workers]
+        params["cw_nows"] = [call.now for call in workers]
+        params["cw_firsts"] = [call.first for call in workers]
+        params["cw_lasts"] = [call.last for call in workers]
     return list(ctx.execute(stmt, params).all())
 
 
@@ -252,7 +274,9 @@ def claim_many_in_one_statement(
 _CLAIM_WORKER_COLUMNS = ("status", "last_busy_time", "current_rollout_id", "current_attempt_id", "last_dequeue_time")
 
 
-def _claim_statement(returning: Sequence[Any], *, with_worker: bool, per_attempt: bool = False) -> Any:
+def _claim_statement(
+    returning: Sequence[Any], *, with_worker: bool, per_attempt: bool = False, with_workers: bool = False
+) -> Any:
     R, A = s.rollouts, s.attempts
     run_id = bindparam("claim_run_id", type_=Integer)
     picked = (
@@ -313,6 +337,8 @@ def _claim_statement(returning: Sequence[Any], *, with_worker: bool, per_attempt
         .join_from(ranked, inserted, inserted.c.rollout_id == ranked.c.rollout_id)
         .order_by(ranked.c.pos)
     )
+    if with_workers:
+        return stmt.add_cte(_claiming_workers_upsert(run_id, ranked, inserted))
     if not with_worker:
         return stmt
     W = s.workers
@@ -338,6 +364,77 @@ def _claim_statement(returning: Sequence[Any], *, with_worker: bool, per_attempt
     )
     # A data-modifying CTE runs to completion whether or not the outer query reads it.
     return stmt.add_cte(upsert.returning(W.c.worker_id).cte("worker_sync"))
+
+
+def _claiming_workers_upsert(run_id: Any, ranked: Any, inserted: Any) -> Any:
+    """The worker rows of a batch of claims (``ClaimingCall``, arrays ``cw_*``), one upsert in
+    call order: busy on the call's last claimed rollout (``workers.sync_worker(..., claim=True)``),
+    or idle when it claimed none (``workers.idle_on_empty_queue``: an idle worker keeps its
+    ``last_idle_time``); an existing row keeps every column that write does not set."""
+    W = s.workers
+    calls = (
+        func.unnest(
+            bindparam("cw_worker_ids", type_=ARRAY(Text)),
+            bindparam("cw_nows", type_=ARRAY(Float(precision=53))),
+            bindparam("cw_firsts", type_=ARRAY(Integer)),
+            bindparam("cw_lasts", type_=ARRAY(Integer)),
+        )
+        .table_valued("worker_id", "now", "first", "last", with_ordinality="n")
+        .render_derived(name="calls")
+    )
+    claimed_count = select(func.count()).select_from(inserted).scalar_subquery()
+    nothing = cast(None, Float(precision=53))
+    no_id = cast(None, Text)
+    busy = (
+        select(
+            calls.c.n,
+            calls.c.worker_id,
+            literal("busy", Text).label("status"),
+            calls.c.now.label("last_busy_time"),
+            ranked.c.rollout_id.label("current_rollout_id"),
+            inserted.c.attempt_id.label("current_attempt_id"),
+            calls.c.now.label("last_dequeue_time"),
+            nothing.label("last_idle_time"),
+        )
+        .select_from(calls)
+        .join(ranked, ranked.c.pos == func.least(calls.c.last, claimed_count))
+        .join(inserted, inserted.c.rollout_id == ranked.c.rollout_id)
+        .where(calls.c.worker_id != "", calls.c.first <= calls.c.last, calls.c.first <= claimed_count)
+    )
+    idle = select(
+        calls.c.n,
+        calls.c.worker_id,
+        literal("idle", Text),
+        nothing,
+        no_id,
+        no_id,
+        calls.c.now,
+        calls.c.now,
+    ).where(or_(calls.c.first > calls.c.last, calls.c.first > claimed_count))
+    written = union_all(busy, idle).subquery("written")
+    in_order = select(written).order_by(written.c.n).subquery("in_order")  # call order, as the transaction writes
+    columns = ["status", "last_busy_time", "current_rollout_id", "current_attempt_id", "last_dequeue_time", "last_idle_time"]
+    upsert = postgresql.insert(W).from_select(
+        ["run_id", "worker_id", "create_seq", *columns],
+        select(run_id, in_order.c.worker_id, s.position_seq.next_value(), *(in_order.c[col] for col in columns)),
+    )
+    excluded = upsert.excluded
+    is_busy = excluded.status == "busy"
+    upsert = upsert.on_conflict_do_update(
+        index_elements=[W.c.run_id, W.c.worker_id],
+        set_={
+            "status": excluded.status,
+            "last_dequeue_time": excluded.last_dequeue_time,
+            "last_busy_time": case((is_busy, excluded.last_busy_time), else_=W.c.last_busy_time),
+            "current_rollout_id": case((is_busy, excluded.current_rollout_id), else_=W.c.current_rollout_id),
+            "current_attempt_id": case((is_busy, excluded.current_attempt_id), else_=W.c.current_attempt_id),
+            "last_idle_time": case(
+                (or_(is_busy, W.c.status == "idle"), W.c.last_idle_time), else_=excluded.last_idle_time
+            ),
+        },
+    )
+    # A data-modifying CTE runs to completion whether or not the outer query reads it.
+    return upsert.returning(W.c.worker_id).cte("workers_synced")
 
 
 def insert_new_spans(

@@ -267,6 +267,13 @@ def _same_batch(unit: Any, first: BatchUnit[Any]) -> bool:
     return isinstance(unit, BatchUnit) and unit.key == first.key
 
 
+class NeedsTransaction(Exception):
+    """Raised by a unit run without a transaction (PostgreSQL ``autocommit``) before it writes
+    anything, when what it found or was given cannot be done in one statement: the caller runs it
+    again in a transaction (``StoreInstance._flush_batch`` for an atomic batch,
+    ``SqlLightningStore.update_attempt`` for a call alone)."""
+
+
 class BatchUnit(Generic[T]):
     """A write unit that may run together with the units of the same ``key`` queued right after it
     (a SQLite group commit) or issued in the same turn of the caller's event loop (the I/O loop:
@@ -288,7 +295,8 @@ class BatchUnit(Generic[T]):
         self.key = key
         self.args = args
         self.run_batch = run_batch
-        # A batch of these is one atomic statement: on PostgreSQL it runs without a transaction.
+        # A batch of these is one atomic statement: on PostgreSQL it runs without a transaction
+        # (unless it raises ``NeedsTransaction``: then it runs again in one).
         self.atomic = atomic
         # On the I/O loop a batch takes ``max_batch`` units at most (0: no limit), so that a turn's
         # big batch becomes several, which run side by side on as many connections (the database's

@@ -31,6 +31,7 @@ from lightning_sql.store.sql.engine import (
     BatchUnit,
     DatabaseTarget,
     IoWorker,
+    NeedsTransaction,
     SchemaUnit,
     SqliteThreadWorker,
     UnitContext,
@@ -439,10 +440,12 @@ class StoreInstance:
         """A batchable write unit on the I/O loop (PostgreSQL, aiosqlite): the units of its key that
         this event loop's tasks submit until its next turn run as ONE unit, in one transaction, each
         caller getting its own result (the SQLite writer does the same in its group commits), or
-        without a transaction when the batch is one statement (``BatchUnit.atomic``).  A unit alone
-        runs as it came (``autocommit`` as asked).  When the batch fails with an error
-        of its own, its transaction committed nothing and the units run alone, one after the
-        other, each for its own outcome; an unavailable or refused database fails them all.  A batch
+        without a transaction when the batch is one statement (``BatchUnit.atomic``; one that
+        raises ``NeedsTransaction`` runs again in a transaction).  A unit alone runs as it came
+        (``autocommit`` as asked).  When the batch fails with an error of its own, its transaction
+        committed nothing and the units run alone, one after the other, each for its own outcome
+        (after a batch without a transaction, as replays: its statement may have committed before
+        the error); an unavailable or refused database fails them all.  A batch
         holds ``BatchUnit.max_batch`` units at most (when set): the units past it start another
         batch of the same turn, which runs beside it on another connection."""
         loop = asyncio.get_running_loop()
@@ -465,33 +468,39 @@ class StoreInstance:
         if worker.batches.get(key) is items:
             del worker.batches[key]
 
-        def alone(index: int) -> None:
+        def alone(index: int, replay: int = 0) -> None:
             """The units from ``index`` on, one after the other (in their order, as a batch runs
-            them), each as it came."""
+            them), each as it came; ``replay``: each sees ``ctx.attempt`` at least that (the batch
+            may have committed: ``_replaying``)."""
             if index < len(items):
                 unit, fut, autocommit = items[index]
-                done = self._start(worker, unit, write=True, autocommit=autocommit)
+                done = self._start(worker, _replaying(unit, replay), write=True, autocommit=autocommit)
                 _settle(done, fut)
-                done.add_done_callback(lambda _done: alone(index + 1))
+                done.add_done_callback(lambda _done: alone(index + 1, replay))
 
         if len(items) == 1:
             alone(0)
             return
         units = [unit for unit, _fut, _autocommit in items]
-        combined = self._start(
-            worker,
-            lambda ctx: units[0].run_batch(ctx, [unit.args for unit in units]),
-            write=True,
-            autocommit=units[0].atomic,
-        )
 
-        def settle(done: asyncio.Future[list[Any]]) -> None:
+        def start(autocommit: bool) -> None:
+            combined = self._start(
+                worker,
+                lambda ctx: units[0].run_batch(ctx, [unit.args for unit in units]),
+                write=True,
+                autocommit=autocommit,
+            )
+            combined.add_done_callback(lambda done: settle(done, autocommit))
+
+        def settle(done: asyncio.Future[list[Any]], autocommit: bool) -> None:
             if done.cancelled():
                 for _unit, fut, _autocommit in items:
                     fut.cancel()
                 return
             exc = done.exception()
-            if exc is None:
+            if isinstance(exc, NeedsTransaction) and autocommit:
+                start(False)  # it wrote nothing: the same batch in a transaction
+            elif exc is None:
                 worker.batched_units += len(items)
                 for (_unit, fut, _autocommit), result in zip(items, done.result(), strict=True):
                     if not fut.done():
@@ -500,10 +509,12 @@ class StoreInstance:
                 for _unit, fut, _autocommit in items:
                     if not fut.done():
                         fut.set_exception(exc)
-            else:  # the batch's own error: its transaction (or its one statement) committed nothing
+            elif not autocommit:  # the batch's own error: its transaction committed nothing
                 alone(0)
+            else:  # its one statement committed nothing, unless the error came after it: replays
+                alone(0, replay=1)
 
-        combined.add_done_callback(settle)
+        start(units[0].atomic)
 
     async def _prepare(self, *, needs_run: bool = True) -> tuple[IoWorker, int | None]:
         worker = self._attach()

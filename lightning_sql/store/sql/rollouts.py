@@ -16,7 +16,7 @@ from sqlalchemy import ColumnElement, bindparam, func, select, tuple_, update
 from lightning_sql.store.sql import dialect as d
 from lightning_sql.store.sql import filters as f
 from lightning_sql.store.sql import schema as s
-from lightning_sql.store.sql.engine import EncodedJson, UnitContext
+from lightning_sql.store.sql.engine import EncodedJson, NeedsTransaction, UnitContext
 from lightning_sql.store.sql.rows import (
     ROLLOUT_COLUMNS,
     attempt_from_row,
@@ -362,6 +362,8 @@ def claim_batch(
     a replay (which looks for its own attempts first): ``claim`` per call."""
     if len(calls) == 1 or ctx.attempt > 0:
         return [claim(ctx, run_id, now, attempt_ids, worker_id) for now, (attempt_ids, worker_id) in calls]
+    if ctx.autocommit:  # PostgreSQL, a batch without a transaction (SqlLightningStore._dequeue)
+        return _claim_many_postgres(ctx, run_id, calls, with_workers=True)
     if ctx.dialect == "postgresql":
         out = _claim_many_postgres(ctx, run_id, calls)
     else:
@@ -403,14 +405,31 @@ def _claim_many_sqlite(
 
 
 def _claim_many_postgres(
-    ctx: UnitContext, run_id: int, calls: Sequence[tuple[float, tuple[Sequence[str], str | None]]]
+    ctx: UnitContext,
+    run_id: int,
+    calls: Sequence[tuple[float, tuple[Sequence[str], str | None]]],
+    *,
+    with_workers: bool = False,
 ) -> list[list[AttemptedRollout]]:
+    """The claim of several calls' rollouts in one statement; ``with_workers``: with the calls'
+    worker rows (``dialect.ClaimingCall``), else the caller writes them."""
     attempt_ids = [aid for _now, (ids, _worker_id) in calls for aid in ids]
     worker_ids = [worker_id for _now, (ids, worker_id) in calls for _aid in ids]
     nows = [now for now, (ids, _worker_id) in calls for _aid in ids]
-    if not attempt_ids:
+    workers: list[d.ClaimingCall] | None = None
+    if with_workers:
+        workers = []
+        first = 1
+        for now, (ids, worker_id) in calls:
+            if worker_id is not None:
+                workers.append(d.ClaimingCall(worker_id, now, first, first + len(ids) - 1))
+            first += len(ids)
+        if len({call.worker_id for call in workers}) < len(workers):
+            # Two calls of one worker write its row in call order: the transaction does that.
+            raise NeedsTransaction()
+    elif not attempt_ids:
         return [[] for _call in calls]
-    rows = d.claim_many_in_one_statement(ctx, run_id, attempt_ids, worker_ids, nows, ROLLOUT_COLUMNS)
+    rows = d.claim_many_in_one_statement(ctx, run_id, attempt_ids, worker_ids, nows, ROLLOUT_COLUMNS, workers)
     by_attempt = {row.attempt_id: row for row in rows}  # the first len(rows) attempt ids, in call order
     return [
         [_attempted_claim(by_attempt[aid], aid, now, worker_id) for aid in ids if aid in by_attempt]
@@ -795,11 +814,6 @@ def _attempt_writes(
 # decision, no queue position to allocate), and attempt columns written as given.
 _ONE_STATEMENT_STATUSES = frozenset({"preparing", "running", "succeeded"})
 _ONE_STATEMENT_CHANGES = frozenset({"status", "last_heartbeat_time", "metadata"})
-
-
-class NeedsTransaction(Exception):
-    """An ``update_attempt`` unit without a transaction wrote nothing (its rollout or attempt was not
-    found): the call runs again in a transaction, which resolves it (and raises its error)."""
 
 
 def fits_one_statement(attempt_id: str, changes: dict[str, Any]) -> bool:

@@ -231,6 +231,7 @@ class SqlLightningStore(StoreInstance, LightningStore):
             (attempt_ids, worker_id),
             sweeps=True,
             autocommit=True,  # each statement of a claim is atomic and replay-safe (ro.claim)
+            atomic_batch=True,  # a batch too: one statement on PostgreSQL (ro.claim_batch)
         )
 
     async def start_attempt(self, rollout_id: str, worker_id: str | None = None) -> AttemptedRollout:
