@@ -801,3 +801,108 @@ async def test_an_attempt_update_alone_in_one_statement_does_what_its_transactio
     assert [a[:2] for a in state[3][3]] == [(1, "succeeded"), (2, "running")]
     assert [w[0] for w in workers] == ["w0", "w1", "w2", "w3"]
     assert state[6] is None  # the queued rollout left the queue when its latest attempt ran
+
+
+async def _batched_updates(store: Any, clock: Any) -> tuple[list[Any], list[Any]]:
+    """Rounds of concurrent ``update_attempt`` calls of distinct rollouts, of every case that
+    PostgreSQL's one-statement batch (``rollouts._update_attempts_in_one_statement``) takes, and
+    the cases it leaves to the transaction (a missing rollout or attempt, two attempts of one
+    worker): what the calls returned (or raised), and the state left."""
+    from lightning_sql.types import RolloutConfig
+
+    start = clock()
+    retry = RolloutConfig(max_attempts=3, retry_condition=["failed"])
+    await store.enqueue_many_rollouts([EnqueueRolloutRequest(input={"i": i}, config=retry) for i in range(8)])
+    claimed = [await store.dequeue_rollout(worker_id=w) for w in ("w0", "w1", "w2", "w3", "", None, "w6", "w6")]
+    ids = [ar.rollout_id for ar in claimed]
+    aids = [ar.attempt.attempt_id for ar in claimed]
+    await store.update_attempt(ids[3], aids[3], status="failed")  # requeued, then its second attempt
+    second = await store.dequeue_rollout(worker_id="w3")
+    assert second is not None and second.rollout_id == ids[3]
+    aids.append(second.attempt.attempt_id)
+    await store.update_attempt(ids[1], aids[1], status="failed")  # requeued: in the queue
+    await store.update_rollout(ids[2], status="cancelled")
+    got: list[Any] = []
+
+    async def round_(*calls: tuple[str, str, dict[str, Any]]) -> None:
+        clock.set(clock() + 1.0)
+        results = await asyncio.gather(
+            *(store.update_attempt(rid, aid, **changes) for rid, aid, changes in calls), return_exceptions=True
+        )
+        got.extend(str(r) if isinstance(r, ValueError) else r for r in results)
+
+    await round_(
+        (ids[0], aids[0], {"status": "running", "last_heartbeat_time": start + 0.5, "metadata": {"k": 1}}),
+        (ids[1], aids[1], {"status": "succeeded"}),  # a queued rollout whose latest attempt succeeds
+        (ids[2], aids[2], {"status": "succeeded"}),  # a cancelled rollout stays cancelled
+        (ids[3], aids[3], {"status": "succeeded"}),  # not the latest attempt: the rollout does not follow
+        (ids[4], aids[4], {"status": "succeeded"}),  # upstream's falsy worker id: no worker row
+        (ids[5], aids[5], {"status": "succeeded"}),  # no worker
+    )
+    await round_(
+        (ids[0], aids[0], {"status": "succeeded"}),
+        (ids[1], aids[1], {"status": "running"}),
+        (ids[3], aids[8], {"status": "running", "metadata": None}),
+        (ids[4], aids[4], {"status": "running", "last_heartbeat_time": None}),
+    )
+    await round_(
+        (ids[0], aids[0], {"status": "succeeded"}),  # again: the rollout is succeeded already
+        (ids[1], aids[1], {"status": "preparing"}),
+    )
+    await round_(  # a missing attempt, a missing rollout: the transaction decides, the calls run alone
+        (ids[0], aids[0], {"status": "running"}),
+        (ids[3], "at-missing", {"status": "succeeded"}),
+        ("ro-missing", aids[3], {"status": "succeeded"}),
+    )
+    await round_((ids[6], aids[6], {"status": "succeeded"}), (ids[7], aids[7], {"status": "running"}))  # one worker
+
+    def view(g: Any) -> Any:
+        if isinstance(g, str):
+            return g.replace(ids[3], "<ro-3>")
+        return (ids.index(g.rollout_id), aids.index(g.attempt_id), g.status, g.end_time, g.last_heartbeat_time, g.metadata)
+
+    state = []
+    for rid in ids:
+        rollout = await store.get_rollout_by_id(rid)
+        attempts = [
+            (a.sequence_id, a.status, a.worker_id, a.metadata, a.end_time, a.last_heartbeat_time)
+            for a in await store.query_attempts(rid)
+        ]
+        state.append((ids.index(rid), rollout.status, rollout.end_time, attempts))
+    workers = [
+        (w.worker_id, w.status, w.last_idle_time, w.last_busy_time, w.current_rollout_id and ids.index(w.current_rollout_id))
+        for w in await store.query_workers()
+    ]
+    queued = await store.dequeue_rollout(worker_id="w9")
+    state.append(None if queued is None else ids.index(queued.rollout_id))
+    return [view(g) for g in got], [state, workers]
+
+
+@pytest.mark.parametrize("backend", ["postgres"], indirect=True)
+async def test_attempt_update_batches_in_one_statement_do_what_their_transaction_does(
+    store_factory: Any, clock: Any, monkeypatch: Any
+) -> None:
+    """PostgreSQL runs a batch of ``update_attempt`` calls of distinct rollouts that each fit one
+    statement as ONE statement without a transaction: each call returns, raises and leaves behind
+    what the transaction path does; a batch that finds a rollout or attempt missing, or two attempts
+    of one worker, runs in the transaction."""
+    start = clock()
+    fast = store_factory(run="one-statement", scan_debounce_seconds=3600)
+    one_statement = await _batched_updates(fast, clock)
+    assert _batched(fast) >= 6 + 4 + 2 + 2  # the rounds ran as batches (the fourth's calls alone)
+    monkeypatch.setattr(ro, "fits_one_statement", lambda _attempt_id, _changes: False)
+    clock.set(start)
+    slow = store_factory(run="transaction", scan_debounce_seconds=3600)
+    in_transaction = await _batched_updates(slow, clock)
+    assert one_statement == in_transaction
+    views, (state, workers) = one_statement
+    assert views[13:15] == ["Attempt at-missing not found for rollout <ro-3>", "Rollout ro-missing not found"]
+    assert [status for _i, status, *_rest in state[:8]] == [
+        "running", "preparing", "cancelled", "running", "running", "succeeded", "succeeded", "running"
+    ]
+    assert [a[:2] for a in state[3][3]] == [(1, "succeeded"), (2, "running")]
+    assert state[3][2] is None  # its first attempt's success did not end it
+    assert [w[0] for w in workers] == ["w0", "w1", "w2", "w3", "w6"]
+    w6 = workers[-1]
+    assert w6[1] == "busy" and w6[2] is not None and w6[4] == 7  # the later call's row, the earlier's idle time
+    assert state[8] is None  # the queued rollout left the queue when its latest attempt succeeded

@@ -12,10 +12,13 @@ Guarantees:
 * the pre-ping is one round trip, also before a write unit (not BEGIN + ping + ROLLBACK);
 * a write unit is one transaction: BEGIN, its statements, its notifications in one statement, COMMIT;
   except the claim, a one-rollout sequence-id reservation and spans of one attempt, which are
-  one statement each without BEGIN/COMMIT (concurrent span adds of one attempt each: one for all); ``update_attempt`` is BEGIN, one statement locking its
-  rows, one writing them (with the notification), COMMIT; awaited alone, an update of a concrete
-  attempt to a status its rollout's follows one to one (preparing, running, succeeded) is one
-  statement without BEGIN/COMMIT;
+  one statement each without BEGIN/COMMIT (concurrent span adds of one attempt each: one for all;
+  concurrent claims of distinct workers: one for all, their worker rows included);
+  ``enqueue_many_rollouts`` inserts all its rollouts with one statement; ``update_attempt`` is
+  BEGIN, one statement locking its rows, one writing them (with the notification), COMMIT; an
+  update of a concrete attempt to a status its rollout's follows one to one (preparing, running,
+  succeeded) is one statement without BEGIN/COMMIT, awaited alone, and so are such updates of
+  distinct rollouts issued in the same loop turn, all in one;
 * the invariant checker still reads in one REPEATABLE READ READ ONLY transaction.
 """
 
@@ -703,45 +706,64 @@ async def test_an_attempt_update_alone_to_a_one_to_one_status_is_one_statement(
         await store.close()
 
 
-async def test_concurrent_attempt_updates_share_one_transaction(
+async def test_concurrent_attempt_updates_are_one_statement_or_one_transaction(
     wire_own_database: tuple[WireCounter, str, str],
 ) -> None:
-    """Four ``update_attempt`` calls of distinct rollouts issued in the same loop turn: ONE
+    """Four ``update_attempt`` calls of distinct rollouts issued in the same loop turn, each to a
+    status its rollout follows one to one: ONE statement without a transaction (it locks every
+    rollout and attempt, writes them with their workers' rows, and notifies), 1 round trip instead
+    of 16; one "finished" notification.  Four calls that do not fit one statement (``failed``): ONE
     transaction (BEGIN, one statement that locks every rollout and attempt, one that writes them
-    all with their workers' rows and the notification, COMMIT), 4 round trips instead of 16; one
-    "finished" notification."""
+    all, COMMIT), 4 round trips."""
     counter, url, schema = wire_own_database
     store = _open(url, schema)
     payloads: list[str] = []
     listener = await _listening(url, schema, payloads)
-    try:
-        await store.enqueue_many_rollouts([EnqueueRolloutRequest(input={"i": i}) for i in range(6)])
-        claimed = [await store.dequeue_rollout(worker_id=f"w{i}") for i in range(6)]
-        for ar in claimed[:2]:  # warm: the connection prepares the statements
-            assert ar is not None
-            await store.update_attempt(ar.rollout_id, ar.attempt.attempt_id, status="succeeded")
-        await asyncio.sleep(0.05)
-        payloads.clear()
-        rest = [ar for ar in claimed[2:] if ar is not None]
-        mark = counter.mark()
-        got = await asyncio.gather(
-            *(store.update_attempt(ar.rollout_id, ar.attempt.attempt_id, status="succeeded") for ar in rest)
-        )
-        seen = counter.since(mark)
-        assert [a.status for a in got] == ["succeeded"] * 4
-        assert [q.split()[0] for q in seen.queries] == ["BEGIN", "COMMIT;"], seen.queries
-        assert len(seen.statements) == 2 and seen.ready == 4, seen
-        for ar, attempt in zip(rest, got, strict=True):
-            assert (attempt.rollout_id, attempt.attempt_id) == (ar.rollout_id, ar.attempt.attempt_id)
-            rollout = await store.get_rollout_by_id(ar.rollout_id)
-            assert rollout is not None and rollout.status == "succeeded"
-            worker = await store.get_worker_by_id(ar.attempt.worker_id or "")
-            assert worker is not None and worker.status == "idle" and worker.current_rollout_id is None
+
+    async def finished_once() -> None:
         deadline = asyncio.get_running_loop().time() + 5
         while not payloads and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.05)
         assert [p.split(":", 1)[1] for p in payloads] == ["finished"], payloads
+        payloads.clear()
+
+    def update_all(ars: list[Any], status: str) -> Any:
+        return asyncio.gather(*(store.update_attempt(ar.rollout_id, ar.attempt.attempt_id, status=status) for ar in ars))
+
+    try:
+        await store.enqueue_many_rollouts([EnqueueRolloutRequest(input={"i": i}) for i in range(12)])
+        claimed = [await store.dequeue_rollout(worker_id=f"w{i}") for i in range(12)]
+        assert all(ar is not None for ar in claimed)
+        await update_all(claimed[0:2], "succeeded")  # warm: the connection prepares the statements
+        await update_all(claimed[2:4], "failed")
+        await asyncio.sleep(0.05)
+        payloads.clear()
+
+        rest = claimed[4:8]
+        mark = counter.mark()
+        got = await update_all(rest, "succeeded")
+        seen = counter.since(mark)
+        assert [a.status for a in got] == ["succeeded"] * 4
+        assert seen.queries == [] and len(seen.statements) == 1 and seen.ready == 1, seen
+        for ar, attempt in zip(rest, got, strict=True):
+            assert (attempt.rollout_id, attempt.attempt_id) == (ar.rollout_id, ar.attempt.attempt_id)
+            assert attempt.end_time is not None
+            rollout = await store.get_rollout_by_id(ar.rollout_id)
+            assert rollout is not None and rollout.status == "succeeded" and rollout.end_time == attempt.end_time
+            worker = await store.get_worker_by_id(ar.attempt.worker_id or "")
+            assert worker is not None and worker.status == "idle" and worker.current_rollout_id is None
+        await finished_once()
+
+        rest = claimed[8:12]
+        mark = counter.mark()
+        got = await update_all(rest, "failed")
+        seen = counter.since(mark)
+        assert [a.status for a in got] == ["failed"] * 4
+        assert [q.split()[0] for q in seen.queries] == ["BEGIN", "COMMIT;"], seen.queries
+        assert len(seen.statements) == 2 and seen.ready == 4, seen
+        assert {(await store.get_rollout_by_id(ar.rollout_id)).status for ar in rest} == {"failed"}  # type: ignore[union-attr]
+        await finished_once()
     finally:
         await listener.close()
         await store.close()
@@ -752,15 +774,15 @@ async def test_attempt_update_batches_take_one_statement_per_mix_of_shapes_and_a
 ) -> None:
     """The write statement of a batch depends on which kinds of update it holds and how many of
     each, not on their order: two batches of the same mix in opposite orders prepare one statement.
-    A turn's 20 calls run as two batches (``UPDATE_BATCH_MAX``), each in its own transaction."""
+    A turn's 20 calls run as two batches (``UPDATE_BATCH_MAX``), each one statement."""
     from lightning_sql.store.sql import rollouts as ro
     from lightning_sql.store.sql import statements
 
     counter, url, schema = wire
     store = _open(url, schema, scan_debounce_seconds=3600)
     try:
-        await store.enqueue_many_rollouts([EnqueueRolloutRequest(input={"i": i}) for i in range(28)])
-        claimed = [await store.dequeue_rollout(worker_id=f"w{i}") for i in range(28)]
+        await store.enqueue_many_rollouts([EnqueueRolloutRequest(input={"i": i}) for i in range(46)])
+        claimed = [await store.dequeue_rollout(worker_id=f"w{i}") for i in range(46)]
         assert all(ar is not None for ar in claimed)
 
         def written() -> set[Any]:
@@ -781,13 +803,13 @@ async def test_attempt_update_batches_take_one_statement_per_mix_of_shapes_and_a
         ]
 
         assert ro.UPDATE_BATCH_MAX == 16
-        rest = claimed[8:]
+        await asyncio.gather(*(done(ar) for ar in claimed[6:26]))  # warm: two connections prepare it
+        rest = claimed[26:]
         mark = counter.mark()
         got = await asyncio.gather(*(done(ar) for ar in rest))
         seen = counter.since(mark)
         assert [a.status for a in got] == ["succeeded"] * 20
-        assert sorted(q.split()[0] for q in seen.queries) == ["BEGIN"] * 2 + ["COMMIT;"] * 2, seen.queries
-        assert len(seen.statements) == 4, seen  # each batch: one lock, one write statement
+        assert seen.queries == [] and len(seen.statements) == 2 and seen.ready == 2, seen  # 16 + 4
     finally:
         await store.close()
 

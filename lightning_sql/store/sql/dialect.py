@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import (
+    Boolean,
     ColumnElement,
     Float,
     Integer,
@@ -54,7 +55,7 @@ from lightning_sql.store.sql import schema as s
 from lightning_sql.store.sql.engine import UnitContext
 from lightning_sql.store.sql.fastexec import make_row_class
 from lightning_sql.store.sql.statements import cached
-from lightning_sql.types import QUEUED_STATUSES
+from lightning_sql.types import FINISHED_STATUSES, QUEUED_STATUSES
 
 
 def insert(ctx: UnitContext | str, table: Table) -> Any:
@@ -1039,6 +1040,207 @@ def _update_attempt_statement(attempt_cols: tuple[str, ...], finished: bool, wor
         ).select_from(write_rollout).subquery("sent")
         stmt = stmt.add_columns(select(func.count()).select_from(sent).scalar_subquery().label("notified"))
     return stmt
+
+
+@dataclass(frozen=True)
+class OneStatementUpdate:
+    """A call of ``update_attempts_in_one_statement``: its rollout and concrete attempt, its ``now``,
+    the status it sets (``rollouts.fits_one_statement``) and, when it sets them, the heartbeat and
+    the metadata (encoded JSON, or None)."""
+
+    rollout_id: str
+    attempt_id: str
+    now: float
+    status: str
+    heartbeat: tuple[bool, float | None] = (False, None)
+    metadata: tuple[bool, str | None] = (False, None)
+
+
+def update_attempts_in_one_statement(
+    ctx: UnitContext, run_id: int, calls: Sequence[OneStatementUpdate]
+) -> list[tuple[Any, bool]] | None:
+    """PostgreSQL: ``update_attempt_in_one_statement`` for calls of distinct rollouts at once, in
+    ONE statement (a batch without a transaction): it locks their rollouts in ``rollout_id`` order,
+    each attempt after its rollout (as ``lock_rollouts_and_attempts``), and writes what the form of
+    one call writes, for each call with its own values: its attempt, its rollout (its latest
+    attempt's, neither cancelled nor in that status already), its attempt's worker's row, and one
+    ``<run_id>:finished`` notification when a rollout finished.  Returns each call's (attempt row as
+    written, whether its rollout row was written), in call order; or None, having written nothing,
+    when a rollout or an attempt does not exist or two of the attempts have one worker (whose row
+    the calls write in call order, merged: the transaction does that)."""
+    assert ctx.dialect == "postgresql"
+    stmt = cached("update_attempts_in_one_statement", _update_attempts_statement)
+    params: dict[str, Any] = {
+        "ua_run_id": run_id,
+        "ua_count": len(calls),
+        "ua_rollout_id": [call.rollout_id for call in calls],
+        "ua_attempt_id": [call.attempt_id for call in calls],
+        "ua_now": [call.now for call in calls],
+        "ua_status": [call.status for call in calls],
+        "ua_heartbeat_given": [call.heartbeat[0] for call in calls],
+        "ua_heartbeat": [call.heartbeat[1] for call in calls],
+        "ua_metadata_given": [call.metadata[0] for call in calls],
+        "ua_metadata": [call.metadata[1] for call in calls],
+        "ua_channel": ctx.notify_channel,
+        "ua_payload": f"{run_id}:finished",
+    }
+    rows = list(ctx.execute(stmt, params))
+    if len(rows) < len(calls):
+        return None
+    return [(row, bool(row.rollout_written)) for row in rows]
+
+
+def _update_attempts_statement() -> Any:
+    R, A, W = s.rollouts, s.attempts, s.workers
+    run_id = bindparam("ua_run_id", type_=Integer)
+    arrays = (
+        ("rollout_id", Text),
+        ("attempt_id", Text),
+        ("now", Float(precision=53)),
+        ("status", Text),
+        ("heartbeat_given", Boolean),
+        ("heartbeat", Float(precision=53)),
+        ("metadata_given", Boolean),
+        ("metadata", Text),
+    )
+    wanted = (
+        func.unnest(*(bindparam(f"ua_{name}", type_=ARRAY(type_)) for name, type_ in arrays))
+        .table_valued(*(name for name, _ in arrays), with_ordinality="n")
+        .render_derived(name="wanted")
+    )
+    # Locks in the order of the other batch forms (``_lock_pairs_statement``): rollouts by id, each
+    # attempt after its rollout, each one look-up by its key.
+    # The ids in the collation of the key columns (``IdText``), so that the key indexes serve them.
+    ordered = (
+        select(
+            wanted.c.rollout_id.collate("C").label("rollout_id"),
+            wanted.c.attempt_id.collate("C").label("attempt_id"),
+            *(wanted.c[n] for n, _ in arrays[2:]),
+            wanted.c.n,
+        )
+        .order_by(wanted.c.rollout_id.collate("C"))
+        .subquery("ordered")
+    )
+    rollout = (
+        select(R.c.run_id, R.c.rollout_id, R.c.status, R.c.attempt_count)
+        .where(R.c.run_id == run_id, R.c.rollout_id == ordered.c.rollout_id)
+        .limit(1)
+        .with_for_update()
+        .lateral("locked_rollout")
+    )
+    attempt = (
+        select(A.c.sequence_id, A.c.worker_id)
+        .where(A.c.run_id == run_id, A.c.rollout_id == rollout.c.rollout_id, A.c.attempt_id == ordered.c.attempt_id)
+        .limit(1)
+        .with_for_update()
+        .lateral("locked_attempt")
+    )
+    locked = (
+        select(
+            ordered,
+            rollout.c.run_id,
+            rollout.c.status.label("r_status"),
+            rollout.c.attempt_count,
+            attempt.c.sequence_id.label("a_sequence_id"),
+            attempt.c.worker_id.label("a_worker_id"),
+        )
+        .select_from(ordered.join(rollout, true()).join(attempt, true()))
+        .limit(bindparam("ua_count", type_=Integer))  # none dropped; for the planner ("Keyed UPDATEs")
+        .cte("locked")
+        .prefix_with("MATERIALIZED")  # the rows' keys ("Keyed UPDATEs")
+    )
+    found = select(func.count()).select_from(locked).scalar_subquery() == bindparam("ua_count", type_=Integer)
+    named = locked.c.a_worker_id != ""  # no worker (NULL) or upstream's falsy one: no row
+    shared = (
+        select(func.count(locked.c.a_worker_id) - func.count(func.distinct(locked.c.a_worker_id)))
+        .where(named)
+        .scalar_subquery()
+    )
+    ok = and_(found, shared == 0)
+    finished = _one_of(locked.c.status, FINISHED_STATUSES)
+    write_attempts = (
+        update(A)
+        .where(
+            A.c.run_id == locked.c.run_id,
+            A.c.rollout_id == locked.c.rollout_id,
+            A.c.attempt_id == locked.c.attempt_id,
+            ok,
+        )
+        .values(
+            status=locked.c.status,
+            last_heartbeat_time=case((locked.c.heartbeat_given, locked.c.heartbeat), else_=A.c.last_heartbeat_time),
+            metadata=case((locked.c.metadata_given, cast(locked.c.metadata, JSONB)), else_=A.c.metadata),
+            end_time=case((finished, locked.c.now), else_=A.c.end_time),
+        )
+        .returning(*A.c, locked.c.n)
+        .cte("write_attempts")
+    )
+    write_rollouts = (
+        update(R)
+        .where(
+            R.c.run_id == locked.c.run_id,
+            R.c.rollout_id == locked.c.rollout_id,
+            locked.c.a_sequence_id == locked.c.attempt_count,
+            locked.c.r_status != "cancelled",
+            locked.c.r_status != locked.c.status,
+            ok,
+        )
+        .values(
+            status=locked.c.status,
+            queue_seq=case((_one_of(locked.c.r_status, QUEUED_STATUSES), None), else_=R.c.queue_seq),
+            end_time=case((finished, locked.c.now), else_=R.c.end_time),
+        )
+        .returning(locked.c.n, finished.label("finished"))
+        .cte("write_rollouts")
+    )
+    # The worker rows in call order (``workers.worker_following``): idle on a finished attempt, busy
+    # on one that runs; an existing row keeps the time column the other case sets.
+    worker_rows = (
+        select(
+            locked.c.n,
+            locked.c.a_worker_id,
+            case((finished, "idle"), else_="busy").label("status"),
+            case((finished, None), else_=locked.c.now).label("last_busy_time"),
+            case((finished, locked.c.now), else_=None).label("last_idle_time"),
+            case((finished, None), else_=locked.c.rollout_id).label("current_rollout_id"),
+            case((finished, None), else_=locked.c.attempt_id).label("current_attempt_id"),
+        )
+        .where(named, ok)
+        .order_by(locked.c.n)
+        .subquery("worker_rows")
+    )
+    columns = ("status", "last_busy_time", "last_idle_time", "current_rollout_id", "current_attempt_id")
+    upsert = insert("postgresql", W).from_select(
+        ["run_id", "worker_id", "create_seq", *columns],
+        select(run_id, worker_rows.c.a_worker_id, s.position_seq.next_value(), *(worker_rows.c[c] for c in columns)),
+    )
+    excluded = upsert.excluded
+    write_workers = upsert.on_conflict_do_update(
+        index_elements=[W.c.run_id, W.c.worker_id],
+        set_={
+            "status": excluded.status,
+            "current_rollout_id": excluded.current_rollout_id,
+            "current_attempt_id": excluded.current_attempt_id,
+            "last_busy_time": case((excluded.status == "busy", excluded.last_busy_time), else_=W.c.last_busy_time),
+            "last_idle_time": case((excluded.status == "idle", excluded.last_idle_time), else_=W.c.last_idle_time),
+        },
+    ).cte("write_workers")
+    # A volatile output of a subquery is never pruned: the notification goes out with the writes.
+    sent = (
+        select(func.pg_notify(bindparam("ua_channel", type_=Text), bindparam("ua_payload", type_=Text)).label("sent"))
+        .where(exists(select(write_rollouts.c.n).where(write_rollouts.c.finished)))
+        .subquery("sent")
+    )
+    rollout_written = exists(select(write_rollouts.c.n).where(write_rollouts.c.n == write_attempts.c.n))
+    return (
+        select(
+            write_attempts,
+            rollout_written.label("rollout_written"),
+            select(func.count()).select_from(sent).scalar_subquery().label("notified"),
+        )
+        .order_by(write_attempts.c.n)
+        .add_cte(write_workers)
+    )
 
 
 @dataclass(frozen=True)

@@ -850,6 +850,32 @@ def _update_attempt_in_one_statement(
     return attempt_from_row(row)
 
 
+def _update_attempts_in_one_statement(
+    ctx: UnitContext, run_id: int, calls: Sequence[tuple[float, tuple[str, str, dict[str, Any]]]]
+) -> list[Attempt]:
+    """A batch of ``update_attempt`` calls that each ``fits_one_statement``, of distinct rollouts, as
+    ONE statement (``dialect.update_attempts_in_one_statement``); anything else, and a batch that
+    finds a call's rollout or attempt missing or two attempts of one worker, raises
+    ``NeedsTransaction`` before it writes anything (the batch then runs in a transaction)."""
+    updates = []
+    for now, (rollout_id, attempt_id, changes) in calls:
+        if not fits_one_statement(attempt_id, changes):
+            raise NeedsTransaction(rollout_id, attempt_id)
+        heartbeat = ("last_heartbeat_time" in changes, changes.get("last_heartbeat_time"))
+        metadata = ("metadata" in changes, changes.get("metadata"))
+        updates.append(d.OneStatementUpdate(rollout_id, attempt_id, now, changes["status"], heartbeat, metadata))
+    if len({update.rollout_id for update in updates}) < len(updates):
+        raise NeedsTransaction()  # a later call of a rollout sees the earlier one's writes: in order
+    found = d.update_attempts_in_one_statement(ctx, run_id, updates)
+    if found is None:
+        raise NeedsTransaction()
+    pairs = zip(updates, found, strict=True)
+    if any(written and update.status in FINISHED_STATUSES for update, (_row, written) in pairs):
+        ctx.announce(run_id, "finished")  # for this process's waiters: the statement notified the others
+        ctx.notified.add((run_id, "finished"))
+    return [attempt_from_row(row) for row, _written in found]
+
+
 # The calls of one batch of ``update_attempt``s on the I/O loop (``BatchUnit.max_batch``): a turn's
 # further calls form another batch, on another connection. It bounds a batch's statement (three
 # CTEs per call) and the number of statements that batches of mixed shapes prepare.
@@ -869,9 +895,11 @@ def update_attempt_batch(
     Otherwise (SQLite, where a statement costs no round trip; two calls of one rollout, the second
     of which must see the first's writes) the calls run one after the other.
     A call's error fails the whole batch, whose calls then run alone (``_flush_batch``)."""
-    if ctx.autocommit:  # PostgreSQL, a call alone that fits one statement (SqlLightningStore.update_attempt)
-        ((now, (rollout_id, attempt_id, changes)),) = calls
-        return [_update_attempt_in_one_statement(ctx, run_id, now, rollout_id, attempt_id, changes)]
+    if ctx.autocommit:  # PostgreSQL, calls that fit one statement (SqlLightningStore.update_attempt)
+        if len(calls) == 1:
+            ((now, (rollout_id, attempt_id, changes)),) = calls
+            return [_update_attempt_in_one_statement(ctx, run_id, now, rollout_id, attempt_id, changes)]
+        return _update_attempts_in_one_statement(ctx, run_id, calls)
     pairs = [(rollout_id, attempt_id) for _now, (rollout_id, attempt_id, _changes) in calls]
     if (
         ctx.dialect != "postgresql"

@@ -338,7 +338,7 @@ class SqlLightningStore(StoreInstance, LightningStore):
         if ro.fits_one_statement(attempt_id, changes):
             # PostgreSQL: alone, one statement without a transaction, unless it finds nothing to write.
             try:
-                return await call(autocommit=True)
+                return await call(autocommit=True, atomic_batch=True)
             except ro.NeedsTransaction:
                 pass
         return await call()
