@@ -758,24 +758,51 @@ async def _alone_updates(store: Any, clock: Any) -> tuple[list[Any], list[Any]]:
     await call(ids[5], aids[5], status="succeeded")  # no worker
     await call(ids[3], "at-missing", status="succeeded")
     await call("ro-missing", aids[3], status="succeeded")
+    return await _left_behind(store, ids, aids, got)
+
+
+async def _left_behind(store: Any, ids: list[str], aids: list[str], got: list[Any]) -> tuple[list[Any], list[Any]]:
+    """What ``update_attempt`` calls returned (an attempt, or the message of the error raised; the
+    ids as indexes into ``ids`` and ``aids``, ``ids[3]`` as <ro-3>) and what they left behind: each
+    rollout's status, end and attempts, the worker rows in creation order, and the rollout at the
+    head of the queue (claimed to see it)."""
+
     def view(g: Any) -> Any:
         if isinstance(g, str):
             return g.replace(ids[3], "<ro-3>")
         return (ids.index(g.rollout_id), aids.index(g.attempt_id), g.status, g.end_time, g.last_heartbeat_time, g.metadata)
 
-    views = [view(g) for g in got]
     state = []
     for rid in ids:
         rollout = await store.get_rollout_by_id(rid)
-        attempts = [(a.sequence_id, a.status, a.worker_id, a.metadata, a.end_time, a.last_heartbeat_time) for a in await store.query_attempts(rid)]
+        attempts = [
+            (a.sequence_id, a.status, a.worker_id, a.metadata, a.end_time, a.last_heartbeat_time)
+            for a in await store.query_attempts(rid)
+        ]
         state.append((ids.index(rid), rollout.status, rollout.end_time, attempts))
-    workers = sorted(
+    workers = [
         (w.worker_id, w.status, w.last_idle_time, w.last_busy_time, w.current_rollout_id and ids.index(w.current_rollout_id))
         for w in await store.query_workers()
-    )
+    ]
     queued = await store.dequeue_rollout(worker_id="w9")
     state.append(None if queued is None else ids.index(queued.rollout_id))
-    return views, [state, workers]
+    return [view(g) for g in got], [state, workers]
+
+
+async def _both_ways(
+    store_factory: Any, clock: Any, monkeypatch: Any, scenario: Any
+) -> tuple[tuple[list[Any], list[Any]], Any]:
+    """``scenario(store, clock)`` on PostgreSQL with the one-statement paths, then again with every
+    call taken through the transaction (``fits_one_statement`` says no), from the same time: its
+    result (asserted equal both ways) and the first store."""
+    start = clock()
+    fast = store_factory(run="one-statement", scan_debounce_seconds=3600)
+    one_statement = await scenario(fast, clock)
+    monkeypatch.setattr(ro, "fits_one_statement", lambda _attempt_id, _changes: False)
+    clock.set(start)
+    slow = store_factory(run="transaction", scan_debounce_seconds=3600)
+    assert await scenario(slow, clock) == one_statement
+    return one_statement, fast
 
 
 @pytest.mark.parametrize("backend", ["postgres"], indirect=True)
@@ -786,16 +813,8 @@ async def test_an_attempt_update_alone_in_one_statement_does_what_its_transactio
     transaction: each call returns, raises and leaves behind what the transaction path does (the
     rollout follows only its latest attempt, never a cancelled rollout, leaves the queue; the
     worker's row, none for no worker or a falsy one)."""
-    start = clock()
-    fast = store_factory(run="one-statement", scan_debounce_seconds=3600)
-    one_statement = await _alone_updates(fast, clock)
     assert ro._ONE_STATEMENT_STATUSES == {"preparing", "running", "succeeded"}
-    monkeypatch.setattr(ro, "fits_one_statement", lambda _attempt_id, _changes: False)
-    clock.set(start)
-    slow = store_factory(run="transaction", scan_debounce_seconds=3600)
-    in_transaction = await _alone_updates(slow, clock)
-    assert one_statement == in_transaction
-    views, (state, workers) = one_statement
+    (views, (state, workers)), _fast = await _both_ways(store_factory, clock, monkeypatch, _alone_updates)
     assert views[-2:] == ["Attempt at-missing not found for rollout <ro-3>", "Rollout ro-missing not found"]
     assert [status for _i, status, *_rest in state[:6]] == ["succeeded", "preparing", "cancelled", "running", "succeeded", "succeeded"]
     assert [a[:2] for a in state[3][3]] == [(1, "succeeded"), (2, "running")]
@@ -855,27 +874,7 @@ async def _batched_updates(store: Any, clock: Any) -> tuple[list[Any], list[Any]
         ("ro-missing", aids[3], {"status": "succeeded"}),
     )
     await round_((ids[6], aids[6], {"status": "succeeded"}), (ids[7], aids[7], {"status": "running"}))  # one worker
-
-    def view(g: Any) -> Any:
-        if isinstance(g, str):
-            return g.replace(ids[3], "<ro-3>")
-        return (ids.index(g.rollout_id), aids.index(g.attempt_id), g.status, g.end_time, g.last_heartbeat_time, g.metadata)
-
-    state = []
-    for rid in ids:
-        rollout = await store.get_rollout_by_id(rid)
-        attempts = [
-            (a.sequence_id, a.status, a.worker_id, a.metadata, a.end_time, a.last_heartbeat_time)
-            for a in await store.query_attempts(rid)
-        ]
-        state.append((ids.index(rid), rollout.status, rollout.end_time, attempts))
-    workers = [
-        (w.worker_id, w.status, w.last_idle_time, w.last_busy_time, w.current_rollout_id and ids.index(w.current_rollout_id))
-        for w in await store.query_workers()
-    ]
-    queued = await store.dequeue_rollout(worker_id="w9")
-    state.append(None if queued is None else ids.index(queued.rollout_id))
-    return [view(g) for g in got], [state, workers]
+    return await _left_behind(store, ids, aids, got)
 
 
 @pytest.mark.parametrize("backend", ["postgres"], indirect=True)
@@ -886,16 +885,8 @@ async def test_attempt_update_batches_in_one_statement_do_what_their_transaction
     statement as ONE statement without a transaction: each call returns, raises and leaves behind
     what the transaction path does; a batch that finds a rollout or attempt missing, or two attempts
     of one worker, runs in the transaction."""
-    start = clock()
-    fast = store_factory(run="one-statement", scan_debounce_seconds=3600)
-    one_statement = await _batched_updates(fast, clock)
+    (views, (state, workers)), fast = await _both_ways(store_factory, clock, monkeypatch, _batched_updates)
     assert _batched(fast) >= 6 + 4 + 2 + 2  # the rounds ran as batches (the fourth's calls alone)
-    monkeypatch.setattr(ro, "fits_one_statement", lambda _attempt_id, _changes: False)
-    clock.set(start)
-    slow = store_factory(run="transaction", scan_debounce_seconds=3600)
-    in_transaction = await _batched_updates(slow, clock)
-    assert one_statement == in_transaction
-    views, (state, workers) = one_statement
     assert views[13:15] == ["Attempt at-missing not found for rollout <ro-3>", "Rollout ro-missing not found"]
     assert [status for _i, status, *_rest in state[:8]] == [
         "running", "preparing", "cancelled", "running", "running", "succeeded", "succeeded", "running"
