@@ -894,7 +894,10 @@ def update_attempt_batch(
     the notifications; what several calls write into one worker's row is merged in call order).
     Otherwise (SQLite, where a statement costs no round trip; two calls of one rollout, the second
     of which must see the first's writes) the calls run one after the other.
-    A call's error fails the whole batch, whose calls then run alone (``_flush_batch``)."""
+    A call's error fails the whole batch, whose calls then run alone (``_flush_batch``).
+    Without a transaction (PostgreSQL, ``ctx.autocommit``: calls that each ``fits_one_statement``)
+    the calls are ONE statement, alone or together (``_update_attempts_in_one_statement``), or
+    raise ``NeedsTransaction`` having written nothing."""
     if ctx.autocommit:  # PostgreSQL, calls that fit one statement (SqlLightningStore.update_attempt)
         if len(calls) == 1:
             ((now, (rollout_id, attempt_id, changes)),) = calls
