@@ -347,7 +347,7 @@ async def _span_calls(store: Any) -> tuple[list[str], list[Any]]:
         lambda: store.add_span(span(2, 7, "c7")),  # moves the counter to 7
         lambda: store.add_span(span(3, 1, "d1")),  # the rollout's earlier attempt
         lambda: store.add_many_spans([span(0, 3, "a3")]),
-        # Several spans: one statement of its own, after the batch (a repeat in the call).
+        # Several spans of one attempt: in the batch too (a repeat in the call).
         lambda: store.add_many_spans([span(1, 1, "b1"), span(1, 2, "b2"), span(1, 3, "b1")]),
     ]
     return ids, calls
@@ -385,11 +385,11 @@ async def _span_state(store: Any, ids: list[str]) -> list[Any]:
 async def test_concurrent_span_adds_are_one_batch_with_what_calls_in_order_get(
     store_factory: Any, clock: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Adds of one span issued in the same loop turn: one batch (on PostgreSQL one statement), and
-    each call returns, and leaves behind, what it does with the calls awaited one after the other:
-    its span, a key repeated across calls skipped (and logged) after its first, the counters moved,
-    the latest attempts' rollouts promoted, the attempts heartbeaten.  A call of several spans runs
-    on its own, with the same outcome."""
+    """Adds of spans of one attempt each issued in the same loop turn: one batch (on PostgreSQL one
+    statement), and each call returns, and leaves behind, what it does with the calls awaited one
+    after the other: its spans, a key repeated across calls or within one skipped (and logged)
+    after its first, the counters moved, the latest attempts' rollouts promoted, the attempts
+    heartbeaten."""
     start = clock()
     batched = store_factory(run="batched", scan_debounce_seconds=3600)
     ids, calls = await _span_calls(batched)
@@ -397,7 +397,7 @@ async def test_concurrent_span_adds_are_one_batch_with_what_calls_in_order_get(
     before = _batched(batched)
     caplog.clear()
     got = await asyncio.gather(*(call() for call in calls))
-    assert _batched(batched) - before == 5  # the one-span calls ran as one
+    assert _batched(batched) - before == 6  # the calls ran as one
     expected = ["a1", None, "c7", "d1", ["a3"], ["b1", "b2"]]
     assert [_span_ids(result) for result in got] == expected
     duplicates = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Duplicated span")]

@@ -459,8 +459,9 @@ async def test_spans_of_one_attempt_are_one_statement(wire: tuple[WireCounter, s
 
 
 async def test_concurrent_spans_of_several_attempts_are_one_statement(wire: tuple[WireCounter, str, str]) -> None:
-    """Span adds of one attempt each issued in the same loop turn (runners streaming spans): ONE
-    statement for them all, no BEGIN or COMMIT (``spans.add_spans_batch``)."""
+    """Span adds of one attempt each issued in the same loop turn (runners streaming spans, or
+    writing a rollout's spans at once): ONE statement for them all, no BEGIN or COMMIT
+    (``spans.add_spans_batch``)."""
     counter, url, schema = wire
     store = _open(url, schema)
     try:
@@ -478,6 +479,16 @@ async def test_concurrent_spans_of_several_attempts_are_one_statement(wire: tupl
         assert seen.ready == 1 and len(seen.statements) == 1, seen
         for rid, aid in pairs:
             assert [sp.sequence_id for sp in await store.query_spans(rid, aid)] == [1, 2, 3]
+        # add_many_spans of one attempt each (runners writing a rollout's spans at once): one too.
+        mark = counter.mark()
+        added = await asyncio.gather(
+            *(store.add_many_spans([make_span(rid, aid, seq) for seq in (4, 5, 6)]) for rid, aid in pairs)
+        )
+        seen = counter.since(mark)
+        assert [len(spans) for spans in added] == [3] * 8
+        assert seen.queries == [] and seen.ready == len(seen.parses) + 1 and len(seen.statements) == 1, seen
+        for rid, aid in pairs:
+            assert [sp.sequence_id for sp in await store.query_spans(rid, aid)] == [1, 2, 3, 4, 5, 6]
     finally:
         await store.close()
 

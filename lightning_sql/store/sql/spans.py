@@ -276,9 +276,9 @@ def add_spans(
     return inserted
 
 
-# Adds of one span issued in the same turn of a loop run as one call (``add_spans_batch``, ADR 0005
-# decision 10); "0" turns it off (each call its own unit, as before).  A call of several spans is
-# one statement on its own.
+# Adds of spans of one attempt each (``add_span``, ``add_many_spans``) issued in the same turn of a
+# loop run as one call (``add_spans_batch``, ADR 0005 decisions 10 and 13); "0" turns it off (each
+# call its own unit: on PostgreSQL one statement).
 SPAN_BATCHES = os.environ.get("LIGHTNING_SQL_SPAN_BATCHES", "1") != "0"
 # The calls of one batch of span adds on the I/O loop (``BatchUnit.max_batch``): the calls of a turn
 # past it form another batch, which PostgreSQL runs beside the first on another connection.

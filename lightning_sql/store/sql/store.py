@@ -557,9 +557,9 @@ class SqlLightningStore(StoreInstance, LightningStore):
         # caller's thread: the I/O thread only stamps the run id.
         rows = [span_values(span, 0) for span in spans]
         one_statement = not allocate and span_units.one_group(spans)  # on PostgreSQL, atomic alone
-        if one_statement and len(spans) == 1 and span_units.SPAN_BATCHES:
-            # One span: with the other one-span adds issued in the same turn of the loop (the
-            # runners' tracers), one statement for them all on PostgreSQL.
+        if one_statement and span_units.SPAN_BATCHES:
+            # Spans of one attempt: with the other such adds issued in the same turn of the loop (the
+            # runners' tracers and their add_many_spans), one statement for them all on PostgreSQL.
             return await self._call_batchable(
                 method,
                 span_units.add_spans_batch,
