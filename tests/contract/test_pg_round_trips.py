@@ -493,6 +493,37 @@ async def test_concurrent_spans_of_several_attempts_are_one_statement(wire: tupl
         await store.close()
 
 
+async def test_spans_of_several_attempts_in_one_call_insert_in_one_round_trip(
+    wire: tuple[WireCounter, str, str],
+) -> None:
+    """``add_many_spans`` of spans of several attempts (a transaction: locks, counters, the insert,
+    heartbeats): its INSERT ... RETURNING of N rows is one round trip (SQLAlchemy's multi-row
+    batching, which ``fastexec`` leaves many-row statements to on PostgreSQL), not one per row."""
+    counter, url, schema = wire
+    store = _open(url, schema)
+    try:
+        await store.enqueue_many_rollouts([EnqueueRolloutRequest(input={"i": i}) for i in range(3)])
+        claimed = [await store.dequeue_rollout(worker_id=f"w{i}") for i in range(3)]
+        pairs = [(ar.rollout_id, ar.attempt.attempt_id) for ar in claimed if ar is not None]
+
+        def spans(first: int, n: int) -> list[Any]:
+            return [make_span(rid, aid, seq) for rid, aid in pairs for seq in range(first, first + n)]
+
+        await store.add_many_spans(spans(1, 2))  # warm: the connection prepares the statements
+        mark = counter.mark()
+        await store.add_many_spans(spans(3, 1))
+        few = counter.since(mark)
+        mark = counter.mark()
+        added = await store.add_many_spans(spans(4, 20))
+        many = counter.since(mark)
+        assert len(added) == 60
+        assert many.ready == few.ready, (few, many)  # 60 rows cost what 3 do
+        for rid, aid in pairs:
+            assert [sp.sequence_id for sp in await store.query_spans(rid, aid)] == list(range(1, 24))
+    finally:
+        await store.close()
+
+
 def test_the_span_batch_locks_in_the_id_columns_order() -> None:
     """The batch statement sorts the rollout ids, and the (rollout, attempt) pairs, it locks as the
     id columns do (COLLATE "C"), not in the database's default collation: every statement that
