@@ -129,21 +129,28 @@ def machine_info() -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _collector_settled(freeze: bool) -> Any:
-    """With ``freeze`` (``--freeze-gc``): a full collection, then what lives frozen out of the
-    collector's reach for one measurement.
+def _collector_settled(freeze: bool, collect: bool = True) -> Any:
+    """Before each measurement, outside its timing: a full collection (``collect``, the default),
+    so that every target starts from the same heap and pays only for the collections its own
+    allocations trigger; with ``freeze`` (``--freeze-gc``) what then lives is also frozen out of
+    the collector's reach for the measurement.
 
     This process holds ~0.7 million objects before any store exists (agentlightning's import graph:
-    litellm, openai, ...).  Every full collection walks them, ~0.4 s here by the end of a run, and
-    lands in whichever target allocates at that moment: a W4 R=128 SQLite repetition at 3,800
-    claims/s instead of 25,000, and B2's server (a thread of this process) pays them throughout W7.
-    A real process of either store holds its imports too, so the default measures with them;
-    frozen, a collection during a measurement walks only what the measurement made (a diagnostic:
-    docs/performance-history.md, eighth pass)."""
+    litellm, openai, ...).  Every full collection walks them, 0.44-0.55 s here, and CPython starts one
+    when the objects promoted since the last one exceed a quarter of the heap.  Without a collection
+    between targets, what the previous target left (B1 keeps every span it was given; B2's server
+    as much, plus its HTTP objects) counts towards that quarter, and the full collection lands in
+    whichever target allocates next: a W1 repetition at ~690 instead of ~960 rollouts/s for the
+    target that followed B2 (twenty-second pass), a W4 R=128 SQLite repetition at 3,800 claims/s
+    instead of 25,000 (eighth pass).  ``--no-collect`` measures that way.  A real process of either
+    store holds its imports too, so even the default measures with them; frozen, a collection
+    during a measurement walks only what the measurement made (a diagnostic: docs/performance-
+    history.md, eighth pass)."""
+    if freeze or collect:
+        gc.collect()
     if not freeze:
         yield
         return
-    gc.collect()
     gc.freeze()
     try:
         yield
@@ -151,8 +158,10 @@ def _collector_settled(freeze: bool) -> Any:
         gc.unfreeze()
 
 
-async def _run_one(case: Case, target_name: str, size: Size, workdir: str, *, freeze_gc: bool = False) -> Measurement:
-    with _collector_settled(freeze_gc):
+async def _run_one(
+    case: Case, target_name: str, size: Size, workdir: str, *, freeze_gc: bool = False, collect_gc: bool = True
+) -> Measurement:
+    with _collector_settled(freeze_gc, collect_gc):
         return await _run_one_settled(case, target_name, size, workdir)
 
 
@@ -224,6 +233,7 @@ async def run_benchmarks(
     scale: float = 1.0,
     baselines: bool = True,
     freeze_gc: bool = False,
+    collect_gc: bool = True,
     echo: Callable[[str], None] = print,
 ) -> Report:
     """Run the workloads and return the report (``report.problems`` lists every failed check)."""
@@ -257,6 +267,12 @@ async def run_benchmarks(
             notes.append(f"Baselines B1/B2 skipped: {why}")
     else:
         notes.append("Baselines B1/B2 skipped: disabled by the caller")
+    if freeze_gc:
+        notes.append("collector: a full collection, then the living objects frozen, before each measurement (--freeze-gc)")
+    elif not collect_gc:
+        notes.append("collector: no full collection between measurements (--no-collect)")
+    else:
+        notes.append("collector: a full collection before each measurement (outside its timing)")
     for note in notes:
         echo(f"note: {note}")
 
@@ -273,7 +289,7 @@ async def run_benchmarks(
                     shift = rep % len(names)  # interleave: a different target goes first each repetition
                     for name in names[shift:] + names[:shift]:
                         try:
-                            m = await _run_one(case, name, knobs, workdir, freeze_gc=freeze_gc)
+                            m = await _run_one(case, name, knobs, workdir, freeze_gc=freeze_gc, collect_gc=collect_gc)
                         except Exception as exc:  # noqa: BLE001 - a crash is a failed check, not a hang
                             m = Measurement({}, [f"crashed: {type(exc).__name__}: {exc}"])
                         results[(case.workload, case.label)].runs.setdefault(name, []).append(m)
@@ -307,6 +323,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="collect, then freeze the living objects before each measurement (diagnostic: no full "
         "collection over the process's imports lands in a measurement)",
     )
+    parser.add_argument(
+        "--no-collect",
+        action="store_true",
+        help="no full collection before each measurement: a target may pay for the garbage of the one "
+        "measured before it (how runs before the twenty-second pass measured)",
+    )
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error("--repeat must be >= 1")
@@ -320,6 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 scale=args.scale,
                 baselines=not args.no_baselines,
                 freeze_gc=args.freeze_gc,
+                collect_gc=not args.no_collect,
             )
         )
     except (ValueError, RuntimeError) as exc:

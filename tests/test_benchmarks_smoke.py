@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import tempfile
+import weakref
 
 import pytest
 
 from benchmarks import p0
 from benchmarks import targets as tg
-from benchmarks.runner import CaseResult, format_case, run_benchmarks
+from benchmarks.runner import CaseResult, _collector_settled, format_case, run_benchmarks
 from benchmarks.workloads import (
     SIZES,
     Case,
@@ -108,10 +110,44 @@ async def test_runner_reports_medians_ratios_and_failed_checks() -> None:
     ratio = w4_r8.ratio("sqlite", "P0")
     assert ratio is not None and ratio > 0
     assert any("sqlite/P0 =" in line for line in lines)
+    assert "note: collector: a full collection before each measurement (outside its timing)" in lines
 
     failing = CaseResult(Case("W1", "fake", lifecycle, ("sqlite",)))
     failing.runs["sqlite"] = [Measurement({"rollouts/s": 1.0}, ["boom"])]
     assert format_case(failing)[0] == "W1 fake"
+
+
+class _Garbage:
+    """An object in a reference cycle: only a collection of the cyclic collector frees it."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+def _cyclic_garbage() -> weakref.ref[_Garbage]:
+    return weakref.ref(_Garbage())
+
+
+@pytest.mark.parametrize("collect", [True, False])
+def test_each_measurement_starts_from_a_collected_heap_unless_told_not_to(collect: bool) -> None:
+    """What the target measured before leaves behind is collected before the next measurement
+    starts (outside its timing); ``--no-collect`` leaves it for the next target to pay."""
+    enabled = gc.isenabled()
+    gc.disable()  # no automatic collection may free the cycle behind the test's back
+    try:
+        left_behind = _cyclic_garbage()
+        assert left_behind() is not None
+        with _collector_settled(freeze=False, collect=collect):
+            assert (left_behind() is None) is collect
+    finally:
+        if enabled:
+            gc.enable()
+
+
+async def test_the_report_says_when_the_collector_was_left_alone() -> None:
+    lines: list[str] = []
+    await run_benchmarks(["W3"], backend="sqlite", repeat=1, size="small", baselines=False, collect_gc=False, echo=lines.append)
+    assert "note: collector: no full collection between measurements (--no-collect)" in lines
 
 
 async def test_per_call_diagnostic_runs_and_reports() -> None:
