@@ -326,6 +326,38 @@ async def test_a_read_is_its_statements_with_a_ping_only_after_a_rest(
         await store.close()
 
 
+async def test_a_span_query_is_one_statement_on_the_kept_connection_pinged_after_a_rest(
+    wire: tuple[WireCounter, str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``query_spans`` without pagination runs on the home engine's kept connection (ADR 0005
+    decision 14): its statement, one round trip; after a rest over ``PG_PRE_PING_IDLE_S`` the
+    ping a checkout would send first; on a connection the network dropped, the read's unit answers
+    (it checks out another connection) and the next read keeps a new one."""
+    counter, url, schema = wire
+    store = _open(url, schema)
+    try:
+        ar = await store.start_rollout({"i": 1})
+        await store.add_many_spans([make_span(ar.rollout_id, ar.attempt.attempt_id, i) for i in (1, 2, 3)])
+        for _ in range(3):
+            assert len(await store.query_spans(ar.rollout_id)) == 3
+        per_call, seen = await _measure(counter, lambda i: store.query_spans(ar.rollout_id), 20)
+        assert seen.queries == [] and seen.parses == []
+        assert not any(_is_ping(st) for st in seen.statements)
+        assert per_call == 1, seen
+        monkeypatch.setattr(engine_module, "PG_PRE_PING_IDLE_S", 0.0)
+        per_call, seen = await _measure(counter, lambda i: store.query_spans(ar.rollout_id), 20)
+        assert [_is_ping(st) for st in seen.statements] == [True, False] * 20
+        assert per_call == 2, seen
+        monkeypatch.setattr(engine_module, "PG_PRE_PING_IDLE_S", 3600.0)
+        for _ in range(3):
+            counter.drop_all()
+            await asyncio.sleep(0.05)
+            assert [s.sequence_id for s in await store.query_spans(ar.rollout_id)] == [1, 2, 3]
+            assert [s.sequence_id for s in await store.query_spans(ar.rollout_id, "latest")] == [1, 2, 3]
+    finally:
+        await store.close()
+
+
 async def test_a_write_is_one_transaction(wire: tuple[WireCounter, str, str]) -> None:
     counter, url, schema = wire
     store = _open(url, schema)

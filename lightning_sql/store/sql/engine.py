@@ -98,6 +98,10 @@ SQLITE_AUTOCHECKPOINT_BACKSTOP_PAGES = 16_000  # ~64 MB of WAL at 4 KiB pages
 # (a heartbeat thread's, a span writer's) go through the I/O thread. "0" turns it off (every unit
 # hops); tests flip ``AsyncLoopWorker.home_units``.
 PG_HOME_LOOP_UNITS = os.environ.get("LIGHTNING_SQL_PG_HOME_LOOP", "1") != "0"
+# A prebuilt read of one statement on the home loop (``query_spans`` without pagination) runs as a
+# coroutine on a connection the home engine keeps for it: no greenlet, no pool checkout (ADR 0005
+# decision 14).  0 sends every read through its unit (for comparisons).
+PG_DIRECT_READS = os.environ.get("LIGHTNING_SQL_PG_DIRECT_READS", "1") != "0"
 NOTIFY_CHANNEL = "lightning_sql_v1"
 
 
@@ -1314,12 +1318,15 @@ class AsyncLoopWorker(IoWorker):
                 self.hub.wake(None)
             last = version
 
-    def _make_engine(self) -> AsyncEngine:
+    def _make_engine(self, *, pool_size: int | None = None) -> AsyncEngine:
+        """The worker's engine; ``pool_size`` (PostgreSQL) in place of the option's (the home
+        engine's pool of one for direct reads, ``_HomeEngine.read``)."""
         opts = dict(self.options)
         echo = bool(opts.pop("echo", False))
         if self.target.kind == "postgresql":
+            size = opts.pop("pool_size", PG_POOL_SIZE)
             kwargs: dict[str, Any] = {
-                "pool_size": opts.pop("pool_size", PG_POOL_SIZE),
+                "pool_size": size if pool_size is None else pool_size,
                 "max_overflow": opts.pop("max_overflow", PG_MAX_OVERFLOW),
             }
             pre_ping = bool(opts.pop("pool_pre_ping", True))
@@ -1442,9 +1449,22 @@ class AsyncLoopWorker(IoWorker):
             if home is not None:
                 home.terminate()
             engine = self._make_engine()
-            self._home = home = _HomeEngine(loop, engine)
-            event.listen(engine.sync_engine, "connect", lambda _dbapi_conn, record: home.opened.add(record))
+            reader = self._make_engine(pool_size=1) if PG_DIRECT_READS and self.target.kind == "postgresql" else None
+            self._home = home = _HomeEngine(
+                loop, engine, reader, ping_after_rest=bool(self.options.get("pool_pre_ping", True))
+            )
+            for each in (engine, reader):
+                if each is not None:
+                    event.listen(each.sync_engine, "connect", lambda _dbapi_conn, record: home.opened.add(record))
             return home
+
+    def direct_reads_here(self) -> _HomeEngine | None:
+        """The home engine when the calling loop is the worker's home loop and it reads directly
+        (``_HomeEngine.read``); None otherwise (the caller runs its unit)."""
+        home = self._home
+        if home is None or home.reader is None or not self.home_units or self.closed:
+            return None
+        return home if home.loop is asyncio.get_running_loop() else None
 
     def engine_for_this_loop(self) -> Engine | None:
         """The (sync) engine that runs the calling loop's units: the home engine on the home loop,
@@ -1468,7 +1488,7 @@ class AsyncLoopWorker(IoWorker):
             if self._home is home:
                 self._home = None
         try:
-            await home.engine.dispose()
+            await home.dispose()
         except Exception:  # noqa: BLE001 - best effort at shutdown
             logger.debug("home engine dispose failed", exc_info=True)
             home.terminate()
@@ -1487,7 +1507,7 @@ class AsyncLoopWorker(IoWorker):
             home.terminate()  # no loop to close them in, or this thread runs it and cannot wait
             return
         try:
-            asyncio.run_coroutine_threadsafe(home.engine.dispose(), loop).result(timeout=5)
+            asyncio.run_coroutine_threadsafe(home.dispose(), loop).result(timeout=5)
         except Exception:  # noqa: BLE001 - the loop stopped or is stuck: end them here
             logger.debug("home engine dispose failed", exc_info=True)
             home.terminate()
@@ -1720,14 +1740,88 @@ class _HomeEngine:
     """A worker's engine on its home loop (``AsyncLoopWorker.run_here``) and the pool entries of the
     connections it opened, to end them when nothing can close them politely any more."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, engine: AsyncEngine) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        engine: AsyncEngine,
+        reader: AsyncEngine | None = None,
+        *,
+        ping_after_rest: bool = True,
+    ) -> None:
         self.loop = loop
         self.engine = engine
         self.opened: weakref.WeakSet[Any] = weakref.WeakSet()
+        # Direct reads (``read``): a pool of one connection of their own (the units' pool and its
+        # warm connections are left alone), kept checked out between reads, one read at a time.
+        self.reader = reader
+        self.ping_after_rest = ping_after_rest
+        self._pinned: Connection | None = None
+        self._pinned_used = 0.0  # time.monotonic() of its last statement
+        self._reading = False
+
+    async def read(self, stmt: Any, params: dict[str, Any]) -> list[Any] | None:
+        """The rows of one prebuilt read statement, run as a coroutine of the home loop on the
+        connection this engine keeps for it (``fastexec.fetch_prebuilt``: no greenlet, no pool
+        checkout, no ``Connection`` per call); the connection rests in autocommit, so the statement
+        sees what the read's unit would (one statement, its own snapshot).  None when it cannot or
+        did not run (another read holds the connection, the statement needs SQLAlchemy, or any
+        error, after which the connection is given up): the caller then runs the read's unit, which
+        checks out a connection as every unit does, and whose errors, retries and deadline are the
+        read's.  As a checkout does, a connection that rested over ``PG_PRE_PING_IDLE_S`` is
+        pinged first (unless ``pool_pre_ping=False``)."""
+        units = self.engine.sync_engine
+        if self._reading or self.reader is None or units.echo or units._has_events:
+            return None  # listeners of the units' engine see every statement (decision 5)
+        self._reading = True
+        conn = self._pinned
+        try:
+            if conn is None:
+                conn = self._pinned = await greenlet_spawn(self.reader.sync_engine.connect)
+            elif self.ping_after_rest and time.monotonic() - self._pinned_used >= PG_PRE_PING_IDLE_S:
+                await conn.connection.dbapi_connection._async_ping()  # type: ignore[union-attr]
+            rows = await fastexec.fetch_prebuilt(conn, stmt, params)
+            if rows is not None:
+                self._pinned_used = time.monotonic()
+            return rows
+        except Exception:  # noqa: BLE001 - the unit runs the read again and reports its own outcome
+            logger.debug("direct read failed; its unit runs it", exc_info=True)
+            self._drop(conn)
+            return None
+        finally:
+            self._reading = False
+            if conn is not None and self._pinned is not conn and not conn.invalidated and not conn.closed:
+                self._drop(conn)  # released while it read: the pool it came from is disposed
+
+    def _drop(self, conn: Connection | None) -> None:
+        """Give up ``conn`` at once: its socket closed (asyncpg's ``terminate``, nothing awaited) and
+        its pool slot freed; the next read keeps another."""
+        if self._pinned is conn:
+            self._pinned = None
+        if conn is None:
+            return
+        try:
+            conn.invalidate()
+            conn.close()
+        except Exception:  # noqa: BLE001 - already gone
+            logger.debug("dropping the direct-read connection failed", exc_info=True)
+
+    async def dispose(self) -> None:
+        """Close every connection politely, on this engine's loop: the kept one back to its pool
+        first (``dispose`` closes only what a pool holds), unless a read has it (it closes it)."""
+        conn, self._pinned = self._pinned, None
+        if conn is not None and not self._reading:
+            try:
+                await greenlet_spawn(conn.close)
+            except Exception:  # noqa: BLE001 - disposed below either way
+                logger.debug("returning the direct-read connection failed", exc_info=True)
+        if self.reader is not None:
+            await self.reader.dispose()
+        await self.engine.dispose()
 
     def terminate(self) -> None:
         """End every connection at once (asyncpg's ``terminate``: the socket is closed, no round
         trip), for a loop that is closed or that this thread runs and cannot wait for."""
+        self._pinned = None
         for record in list(self.opened):
             dbapi_conn = record.dbapi_connection
             if dbapi_conn is None:

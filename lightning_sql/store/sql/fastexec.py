@@ -601,6 +601,13 @@ def _status_rowcount(status: str | None) -> int:
     return -1
 
 
+def _description(attributes: Any) -> Any:
+    """A cursor's ``description`` from asyncpg's result attributes (what ``_rows`` reads once)."""
+    if not attributes:
+        return None
+    return [(attr.name, attr.type.oid, None, None, None, None, None) for attr in attributes]
+
+
 def _execute_asyncpg(
     conn: Connection, adapter: Any, plan: _Plan, sql: str, params: Sequence[Any]
 ) -> FastResult:
@@ -608,10 +615,28 @@ def _execute_asyncpg(
         raw, status, attributes = await_only(_asyncpg_run(adapter, sql, params))
     except conn.dialect.loaded_dbapi.Error as exc:
         raise _translated(conn, adapter, None, sql, params, exc) from exc
+    return FastResult(_rows(conn, plan, raw, lambda: _description(attributes)), _status_rowcount(status))
 
-    def description() -> Any:
-        if not attributes:
-            return None
-        return [(attr.name, attr.type.oid, None, None, None, None, None) for attr in attributes]
 
-    return FastResult(_rows(conn, plan, raw, description), _status_rowcount(status))
+async def fetch_prebuilt(conn: Connection, stmt: Any, params: Mapping[str, Any]) -> list[Any] | None:
+    """The rows of ONE execution of the prebuilt read ``stmt`` on ``conn``'s asyncpg connection,
+    awaited in the calling coroutine: no greenlet, and nothing of ``conn`` but its plan look-up
+    (``conn`` must rest in autocommit, outside any transaction).  None, before anything is sent,
+    when the statement cannot run so (not prebuilt, echo or event listeners, not asyncpg, a plan
+    SQLAlchemy must bind itself); the driver's errors as SQLAlchemy's adapter raises them
+    (``execute`` would translate them further: a caller of this one gives up the connection and
+    runs the statement through ``execute`` instead)."""
+    engine = conn.engine
+    if not is_prebuilt(stmt) or engine.echo or engine._has_events or conn._has_events:
+        return None
+    dbapi_conn = conn.connection.dbapi_connection
+    if dbapi_conn is None or not _asyncpg_direct(dbapi_conn) or dbapi_conn._transaction is not None:
+        return None
+    plan = _hot_lookup(conn, stmt, params)
+    if plan is None or plan.row_class is None or plan.slots is None:
+        return None
+    positional = _direct_positional(plan, params)
+    if positional is None:
+        return None  # a missing value or an empty list: SQLAlchemy's path and its own error
+    raw, _status, attributes = await _asyncpg_run(dbapi_conn, positional[0], positional[1])
+    return _rows(conn, plan, raw, lambda: _description(attributes))

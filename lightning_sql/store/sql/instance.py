@@ -553,16 +553,29 @@ class StoreInstance:
         write: bool,
         sweeps: bool = False,
         autocommit: bool = False,
+        direct: Callable[[int], tuple[Any, dict[str, Any], Callable[[list[Any]], T]]] | None = None,
     ) -> T:
         """Run one unit for the bound run; ``unit(ctx, run_id, now)``.  ``autocommit``: a write unit
         whose statements are each atomic and replay-safe on their own (PostgreSQL runs it without a
-        transaction; see ``AsyncLoopWorker``)."""
+        transaction; see ``AsyncLoopWorker``).  ``direct``: a read unit that is ONE prebuilt
+        statement, as ``direct(run_id) -> (statement, parameters, result from its rows)``; on the
+        home loop of a PostgreSQL worker it runs as a coroutine on the home engine's kept connection
+        (``_HomeEngine.read``), and through ``unit`` whenever that does not run it."""
         if write:
             self._check_writable(method)
         worker, run_id = await self._prepare()
         assert run_id is not None
         if sweeps:
             await self._maybe_sweep(worker, run_id)
+        if direct is not None and not write and isinstance(worker, AsyncLoopWorker):
+            home = worker.direct_reads_here()
+            if home is not None:
+                stmt, params, result = direct(run_id)
+                # A task, shielded like a unit's: a cancelled caller lets the statement finish on
+                # the kept connection rather than leave it mid-protocol.
+                rows = await _outcome(asyncio.get_running_loop().create_task(home.read(stmt, params)))
+                if rows is not None:
+                    return result(rows)
         now = self.now()
         return await self._submit(worker, lambda ctx: unit(ctx, run_id, now), write=write, autocommit=autocommit)
 

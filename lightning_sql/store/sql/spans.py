@@ -464,7 +464,7 @@ def _shape(value: str | None) -> bool | None:
     return True
 
 
-def _span_query(ctx: UnitContext, shape: tuple[Any, ...]) -> tuple[Any, Any]:
+def _span_query(ctx: Any, shape: tuple[Any, ...]) -> tuple[Any, Any]:
     """(page statement, count statement) for one query shape, with ``q_*`` placeholders."""
     rid_ok, attempt_mode, exact, contains, logic, sort_by, sort_order, has_limit, has_offset = shape
     run_id: Any = bindparam("q_run_id")
@@ -517,6 +517,43 @@ def query_spans(
 ) -> PaginatedResult[Span]:
     """One page of a rollout's spans and the number of matches, through a statement prebuilt per
     query shape (which filters are present, attempt mode, sort, pagination)."""
+    page, count, params = span_page(
+        ctx.dialect, run_id, rollout_id, attempt_id, exact, contains, filter_logic, limit, offset, sort_by, sort_order
+    )
+    rows, total = f.fetch_page(ctx, page, count, params, limit, offset)
+    return page_of_spans(rows, limit, offset, total)
+
+
+def page_of_spans(rows: Sequence[Any], limit: int, offset: int, total: int) -> PaginatedResult[Span]:
+    """``query_spans``' result from the page statement's rows (each span decodes on first use)."""
+    return PaginatedResult(items=[deferred_span_from_row(r) for r in rows], limit=limit, offset=offset, total=total)
+
+
+class _Dialect:
+    """What the statement builders read of a unit's context: its dialect's name."""
+
+    __slots__ = ("dialect",)
+
+    def __init__(self, dialect: str) -> None:
+        self.dialect = dialect
+
+
+def span_page(
+    dialect: str,
+    run_id: int,
+    rollout_id: str,
+    attempt_id: str | None,
+    exact: dict[str, str | None],
+    contains: dict[str, str | None],
+    filter_logic: str,
+    limit: int,
+    offset: int,
+    sort_by: str | None,
+    sort_order: str,
+) -> tuple[Any, Any, dict[str, Any]]:
+    """``query_spans``' page and count statements, prebuilt per query shape, and the parameters of
+    this call (``q_limit`` / ``q_offset`` are ``filters.fetch_page``'s to bind).  Without pagination
+    the page statement alone answers the call (the total is its number of rows)."""
     if attempt_id is None or attempt_id == "latest":
         attempt_mode: Any = attempt_id
     else:
@@ -534,7 +571,7 @@ def query_spans(
         limit != -1,
         offset != 0,
     )
-    page, count = cached(("query_spans", ctx.dialect, shape), lambda: _span_query(ctx, shape))
+    page, count = cached(("query_spans", dialect, shape), lambda: _span_query(_Dialect(dialect), shape))
     params: dict[str, Any] = {"q_run_id": run_id, "q_rollout_id": rollout_id}
     if attempt_mode is True:
         params["q_attempt_id"] = attempt_id
@@ -544,5 +581,4 @@ def query_spans(
     for name, ok in zip(SPAN_FILTER_FIELDS, contains_shape, strict=True):
         if ok:
             params[f"q_{name}_contains"] = contains[name]
-    rows, total = f.fetch_page(ctx, page, count, params, limit, offset)
-    return PaginatedResult(items=[deferred_span_from_row(r) for r in rows], limit=limit, offset=offset, total=total)
+    return page, count, params

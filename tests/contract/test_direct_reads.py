@@ -1,0 +1,187 @@
+"""ADR 0005 decision 14: on PostgreSQL a read of one prebuilt statement (``query_spans`` without
+pagination) runs on the home loop as a coroutine, on a connection the home engine keeps for it: no
+greenlet, no pool checkout. Whatever keeps it from running so (another read holds the connection,
+the connection is lost, any error) sends the call through its unit, whose outcome is the call's.
+These tests pin down that the kept connection is used, gives what the unit gives, survives a lost
+connection and a cancelled caller, and is closed with the store. (The whole contract suite's span
+queries run on the home loop, through it.)"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from sqlalchemy import event
+
+from lightning_sql.store.sql import spans as span_units
+from tests.conftest import PG_URL
+from tests.contract.test_spans import make_span
+from tests.helpers import pg_execute, pg_fetch
+
+pytestmark = pytest.mark.parametrize("backend", ["postgres"], indirect=True)
+
+
+@pytest.fixture
+async def store(store_factory: Callable[..., Any]) -> Any:
+    """The contract suite's store without lazy sweeps: a sweep is a write unit, with a checkout of
+    its own, that would land inside the counted calls."""
+    return store_factory(scan_debounce_seconds=3600)
+
+
+def _closed(record: Any) -> bool:
+    conn = record.dbapi_connection
+    return conn is None or conn._connection.is_closed()
+
+
+def _page(result: Any) -> tuple[Any, ...]:
+    return ([span.model_dump() for span in result], result.total, result.limit, result.offset)
+
+
+def _count_units(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Calls of ``query_spans``' unit (the path through a greenlet and a pool checkout)."""
+    calls: list[int] = []
+    unit = span_units.query_spans
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return unit(*args, **kwargs)
+
+    monkeypatch.setattr(span_units, "query_spans", counted)
+    return calls
+
+
+def _count_checkouts(store: Any) -> list[int]:
+    checkouts: list[int] = []
+    event.listen(store._worker._home.engine.sync_engine, "checkout", lambda *_args: checkouts.append(1))
+    return checkouts
+
+
+def _server_pid(home: Any) -> int:
+    return int(home._pinned.connection.dbapi_connection._connection.get_server_pid())
+
+
+async def _rollout_with_spans(store: Any, n: int = 5) -> tuple[str, str]:
+    ar = await store.start_rollout({"i": 1})
+    rid, aid = ar.rollout_id, ar.attempt.attempt_id
+    await store.add_many_spans([make_span(rid, aid, i, name=f"step-{i % 2}") for i in range(1, n + 1)])
+    return rid, aid
+
+
+async def test_a_one_statement_read_runs_on_the_kept_connection_and_gives_what_its_unit_gives(
+    store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rid, aid = await _rollout_with_spans(store)
+    await store.query_spans(rid)  # the home engine keeps its connection (one checkout, once)
+    home = store._worker._home
+    assert home is not None and home.reader is not None and home._pinned is not None
+    units = _count_units(monkeypatch)
+    checkouts = _count_checkouts(store)
+    calls: list[dict[str, Any]] = [
+        {"rollout_id": rid},
+        {"rollout_id": rid, "attempt_id": "latest"},
+        {"rollout_id": rid, "attempt_id": aid, "name": "step-1"},
+        {"rollout_id": rid, "name_contains": "step", "sort_order": "desc"},
+        {"rollout_id": rid, "attempt_id": "no-such-attempt"},
+        {"rollout_id": "no-such-rollout"},
+    ]
+    direct = [_page(await store.query_spans(**call)) for call in calls]
+    assert units == [] and checkouts == []
+    reader, home.reader = home.reader, None  # as LIGHTNING_SQL_PG_DIRECT_READS=0
+    try:
+        via_units = [_page(await store.query_spans(**call)) for call in calls]
+    finally:
+        home.reader = reader
+    assert len(units) == len(checkouts) == len(calls)
+    assert direct == via_units
+    assert [len(page[0]) for page in direct] == [5, 5, 3, 5, 0, 0]
+    assert [span["sequence_id"] for span in direct[3][0]] == [5, 4, 3, 2, 1]
+
+
+async def test_a_paginated_read_runs_its_unit(store: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    rid, _aid = await _rollout_with_spans(store)
+    await store.query_spans(rid)
+    units = _count_units(monkeypatch)
+    page = await store.query_spans(rid, limit=2, offset=1)
+    assert [span.sequence_id for span in page] == [2, 3] and page.total == 5
+    assert units == [1]
+
+
+async def test_a_lost_kept_connection_sends_the_read_through_its_unit_and_is_replaced(
+    store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rid, _aid = await _rollout_with_spans(store)
+    expected = _page(await store.query_spans(rid))
+    home = store._worker._home
+    pid = _server_pid(home)
+    await pg_execute(PG_URL, f"SELECT pg_terminate_backend({pid})")
+    deadline = time.monotonic() + 30
+    while await pg_fetch(PG_URL, "SELECT 1 FROM pg_stat_activity WHERE pid = $1", pid):
+        assert time.monotonic() < deadline, "the terminated backend did not go away"
+        await asyncio.sleep(0.05)
+    units = _count_units(monkeypatch)
+    assert _page(await store.query_spans(rid)) == expected
+    assert units == [1] and home._pinned is None  # given up; the unit answered
+    assert _page(await store.query_spans(rid)) == expected
+    assert units == [1] and _server_pid(home) != pid  # a new one kept
+
+
+async def test_a_cancelled_read_leaves_the_kept_connection_usable(store: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    rid, _aid = await _rollout_with_spans(store)
+    expected = _page(await store.query_spans(rid))
+    home = store._worker._home
+    pid = _server_pid(home)
+    units = _count_units(monkeypatch)
+    for turns in range(6):  # cancel at several points: before, during and after the statement
+        task = asyncio.ensure_future(store.query_spans(rid))
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        task.cancel()
+        try:
+            assert _page(await task) == expected  # it finished before the cancellation landed
+        except asyncio.CancelledError:
+            pass
+        assert not home._reading
+        assert _page(await store.query_spans(rid)) == expected
+    assert units == [] and _server_pid(home) == pid
+
+
+async def test_concurrent_reads_share_the_kept_connection_with_their_units(
+    store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One read at a time on the kept connection; the others of the moment run their units."""
+    pairs = [await _rollout_with_spans(store, n) for n in range(1, 9)]
+    await store.query_spans(pairs[0][0])
+    units = _count_units(monkeypatch)
+    pages = await asyncio.gather(*(store.query_spans(rid) for rid, _aid in pairs))
+    assert [[span.sequence_id for span in page] for page in pages] == [list(range(1, n + 1)) for n in range(1, 9)]
+    assert 1 <= len(units) <= 7
+
+
+async def test_closing_the_store_closes_the_kept_connection(backend: Any, clock: Any) -> None:
+    store = backend.open(run="close-direct", clock=clock, clock_sync=False)
+    rid, _aid = await _rollout_with_spans(store)
+    await store.query_spans(rid)
+    home = store._worker._home
+    kept = home._pinned.connection._connection_record
+    records = list(home.opened)
+    assert kept in records and not _closed(kept)
+    await store.close()
+    assert all(_closed(r) for r in records)
+
+
+async def test_closing_from_another_thread_closes_the_kept_connection_on_its_loop(backend: Any, clock: Any) -> None:
+    store = backend.open(run="close-direct-elsewhere", clock=clock, clock_sync=False)
+    rid, _aid = await _rollout_with_spans(store)
+    await store.query_spans(rid)
+    worker = store._worker
+    kept = worker._home._pinned.connection._connection_record
+    records = list(worker._home.opened)
+    thread = threading.Thread(target=lambda: asyncio.run(store.close()))
+    thread.start()
+    await asyncio.to_thread(thread.join, 60)
+    assert worker.closed and worker._home is None
+    assert kept in records and all(_closed(r) for r in records)
