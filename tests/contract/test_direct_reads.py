@@ -185,3 +185,31 @@ async def test_closing_from_another_thread_closes_the_kept_connection_on_its_loo
     await asyncio.to_thread(thread.join, 60)
     assert worker.closed and worker._home is None
     assert kept in records and all(_closed(r) for r in records)
+
+
+def test_a_closed_home_loop_ends_its_kept_connection_without_leaking_it(backend: Any, clock: Any) -> None:
+    """Consecutive ``asyncio.run`` calls without ``close()`` in between: when the next loop becomes
+    home, the old loop's kept connection is ended and handed back to its pool (no connection is
+    left for the garbage collector to find checked out)."""
+    import gc
+    import warnings
+
+    store = backend.open(run="loops-direct", clock=clock, clock_sync=False, scan_debounce_seconds=3600)
+    try:
+        async def written_and_read() -> str:
+            rid, _aid = await _rollout_with_spans(store)
+            assert len(await store.query_spans(rid)) == 5  # on the loop that is home: kept
+            return rid
+
+        rid = asyncio.run(written_and_read())
+        old = store._worker._home
+        kept = old._pinned.connection._connection_record
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert len(asyncio.run(store.query_spans(rid))) == 5  # a new loop: the old home is ended
+            assert store._worker._home is not old and _closed(kept)
+            gc.collect()
+        leaks = [str(w.message) for w in caught if "non-checked-in connection" in str(w.message)]
+        assert leaks == []
+    finally:
+        asyncio.run(store.close())

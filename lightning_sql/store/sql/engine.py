@@ -1820,8 +1820,10 @@ class _HomeEngine:
 
     def terminate(self) -> None:
         """End every connection at once (asyncpg's ``terminate``: the socket is closed, no round
-        trip), for a loop that is closed or that this thread runs and cannot wait for."""
-        self._pinned = None
+        trip), for a loop that is closed or that this thread runs and cannot wait for; the kept
+        connection is handed back to its pool as it is ended (else the collector would find it
+        checked out)."""
+        self._drop(self._pinned)
         for record in list(self.opened):
             dbapi_conn = record.dbapi_connection
             if dbapi_conn is None:
