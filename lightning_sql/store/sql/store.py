@@ -661,13 +661,14 @@ class SqlLightningStore(StoreInstance, LightningStore):
                 ctx, run_id, rollout_id, attempt_id, exact, contains, filter_logic, limit, offset, sort_by, sort_order
             )
 
+        dialect = self._target.dialect
+
         def direct(run_id: int) -> tuple[Any, dict[str, Any], Callable[[list[Any]], PaginatedResult[Span]]]:
             page, _count, params = span_units.span_page(
                 dialect, run_id, rollout_id, attempt_id, exact, contains, filter_logic, -1, 0, sort_by, sort_order
             )
             return page, params, lambda rows: span_units.page_of_spans(rows, -1, 0, len(rows))
 
-        dialect = self._target.dialect
         # Without pagination the call is one statement: the home loop may run it directly.
         one_statement = direct if limit == -1 and offset == 0 else None
         return await self._call("query_spans", unit, write=False, sweeps=True, direct=one_statement)
