@@ -1764,8 +1764,9 @@ class _HomeEngine:
         connection this engine keeps for it (``fastexec.fetch_prebuilt``: no greenlet, no pool
         checkout, no ``Connection`` per call); the connection rests in autocommit, so the statement
         sees what the read's unit would (one statement, its own snapshot).  None when it cannot or
-        did not run (another read holds the connection, the statement needs SQLAlchemy, or any
-        error, after which the connection is given up): the caller then runs the read's unit, which
+        did not run (another read holds the connection, either engine has ``echo`` or event
+        listeners, the statement needs SQLAlchemy, or any error, after which the connection is
+        given up): the caller then runs the read's unit, which
         checks out a connection as every unit does, and whose errors, retries and deadline are the
         read's.  As a checkout does, a connection that rested over ``PG_PRE_PING_IDLE_S`` is
         pinged first (unless ``pool_pre_ping=False``)."""
