@@ -3,7 +3,8 @@ pagination) runs on the home loop as a coroutine, on a connection the home engin
 greenlet, no pool checkout. Whatever keeps it from running so (another read holds the connection,
 the connection is lost, any error) sends the call through its unit, whose outcome is the call's.
 These tests pin down that the kept connection is used, gives what the unit gives, survives a lost
-connection and a cancelled caller, and is closed with the store. (The whole contract suite's span
+connection and a cancelled caller (which ends it, as it may be mid-protocol), and is closed with
+the store. (The whole contract suite's span
 queries run on the home loop, through it.)"""
 
 from __future__ import annotations
@@ -129,24 +130,74 @@ async def test_a_lost_kept_connection_sends_the_read_through_its_unit_and_is_rep
     assert units == [1] and _server_pid(home) != pid  # a new one kept
 
 
-async def test_a_cancelled_read_leaves_the_kept_connection_usable(store: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+async def _gone(pid: int) -> None:
+    deadline = time.monotonic() + 30
+    while await pg_fetch(PG_URL, "SELECT 1 FROM pg_stat_activity WHERE pid = $1", pid):
+        assert time.monotonic() < deadline, f"backend {pid} of a given-up connection is still there"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_read_cancelled_in_its_statement_gives_up_the_kept_connection(
+    store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The read runs in the caller's task: a cancellation that lands before the statement changes
+    nothing, one that lands in it ends the kept connection (it may be mid-protocol; its backend
+    goes away), and the next read keeps another.  No read runs its unit."""
     rid, _aid = await _rollout_with_spans(store)
     expected = _page(await store.query_spans(rid))
     home = store._worker._home
-    pid = _server_pid(home)
+    reader_pool = home.reader.sync_engine.pool
     units = _count_units(monkeypatch)
-    for turns in range(6):  # cancel at several points: before, during and after the statement
+    outcomes: list[str] = []
+    for turns in range(8):  # cancel at several points: before, during and after the statement
+        pid = _server_pid(home)
         task = asyncio.ensure_future(store.query_spans(rid))
         for _ in range(turns):
             await asyncio.sleep(0)
         task.cancel()
         try:
             assert _page(await task) == expected  # it finished before the cancellation landed
+            outcomes.append("finished")
         except asyncio.CancelledError:
-            pass
+            outcomes.append("kept" if home._pinned is not None else "given up")
         assert not home._reading
-        assert _page(await store.query_spans(rid)) == expected
-    assert units == [] and _server_pid(home) == pid
+        if home._pinned is None:
+            await _gone(pid)
+            assert reader_pool.checkedout() == 0
+        else:
+            assert _server_pid(home) == pid and reader_pool.checkedout() == 1
+        assert _page(await store.query_spans(rid)) == expected  # kept (again)
+        assert reader_pool.checkedout() == 1
+    assert units == []
+    assert outcomes[0] == "kept" and "given up" in outcomes, outcomes  # turn 0: before it started
+
+
+async def test_a_read_cancelled_while_its_connection_opens_leaves_nothing_checked_out(
+    store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first read opens the connection to keep; a caller cancelled meanwhile lets it open and
+    gives it up then, so the pool of one is free for the next read."""
+    rid, _aid = await _rollout_with_spans(store)
+    await store.query_spans(rid, limit=10)  # the home engine exists; nothing kept yet
+    home = store._worker._home
+    assert home._pinned is None
+    reader_pool = home.reader.sync_engine.pool
+    for turns in (1, 2, 3):
+        task = asyncio.ensure_future(store.query_spans(rid))
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        assert home._pinned is None and home._reading  # still opening
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        deadline = time.monotonic() + 30
+        while reader_pool.checkedout():
+            assert time.monotonic() < deadline, "the connection opened for a cancelled read stays checked out"
+            await asyncio.sleep(0.01)
+        assert home._pinned is None and not home._reading
+    units = _count_units(monkeypatch)
+    assert len(await store.query_spans(rid)) == 5
+    assert units == [] and home._pinned is not None and reader_pool.checkedout() == 1
 
 
 async def test_concurrent_reads_share_the_kept_connection_with_their_units(

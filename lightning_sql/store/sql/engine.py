@@ -1769,7 +1769,8 @@ class _HomeEngine:
         given up): the caller then runs the read's unit, which
         checks out a connection as every unit does, and whose errors, retries and deadline are the
         read's.  As a checkout does, a connection that rested over ``PG_PRE_PING_IDLE_S`` is
-        pinged first (unless ``pool_pre_ping=False``)."""
+        pinged first (unless ``pool_pre_ping=False``).  It runs in the caller's task: a caller
+        cancelled during the statement gives the connection up (it may be mid-protocol)."""
         units = self.engine.sync_engine
         if self._reading or self.reader is None or units.echo or units._has_events:
             return None  # listeners of the units' engine see every statement (decision 5)
@@ -1777,7 +1778,7 @@ class _HomeEngine:
         conn = self._pinned
         try:
             if conn is None:
-                conn = self._pinned = await greenlet_spawn(self.reader.sync_engine.connect)
+                conn = self._pinned = await self._connect()
             elif self.ping_after_rest and time.monotonic() - self._pinned_used >= PG_PRE_PING_IDLE_S:
                 await conn.connection.dbapi_connection._async_ping()  # type: ignore[union-attr]
             rows = await fastexec.fetch_prebuilt(conn, stmt, params)
@@ -1788,10 +1789,30 @@ class _HomeEngine:
             logger.debug("direct read failed; its unit runs it", exc_info=True)
             self._drop(conn)
             return None
+        except BaseException:
+            # The caller was cancelled (the read runs in its task): the connection may be left
+            # mid-protocol, so no other statement follows on it; the next read keeps another.
+            self._drop(conn)
+            raise
         finally:
             self._reading = False
             if conn is not None and self._pinned is not conn and not conn.invalidated and not conn.closed:
                 self._drop(conn)  # released while it read: the pool it came from is disposed
+
+    async def _connect(self) -> Connection:
+        """A new connection to keep; a caller cancelled while it opens leaves it to open and gives
+        it up then (the pool's slot is freed, nothing is left checked out)."""
+        assert self.reader is not None
+        opening = asyncio.ensure_future(greenlet_spawn(self.reader.sync_engine.connect))
+        try:
+            return await asyncio.shield(opening)
+        except asyncio.CancelledError:
+            opening.add_done_callback(self._drop_opened)
+            raise
+
+    def _drop_opened(self, opening: asyncio.Future[Connection]) -> None:
+        if not opening.cancelled() and opening.exception() is None:
+            self._drop(opening.result())
 
     def _drop(self, conn: Connection | None) -> None:
         """Give up ``conn`` at once: its socket closed (asyncpg's ``terminate``, nothing awaited) and
