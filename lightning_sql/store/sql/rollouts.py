@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import ColumnElement, bindparam, func, select, tuple_, update
+from sqlalchemy import ColumnElement, bindparam, func, select, update
 
 from lightning_sql.store.sql import dialect as d
 from lightning_sql.store.sql import filters as f
@@ -978,19 +978,9 @@ def latest_attempts(ctx: UnitContext, run_id: int, rows: Sequence[Any]) -> dict[
         if arow is not None:
             out[arow.rollout_id] = attempt_from_row(arow)
         return out
-    # Chunked so a page of thousands of rollouts stays within driver parameter limits.
-    for start in range(0, len(pairs), 500):
-        chunk = pairs[start : start + 500]
-        result = ctx.execute(_LATEST_ATTEMPTS, {"r_run_id": run_id, "r_pairs": chunk})
-        for arow in result:
-            out[arow.rollout_id] = attempt_from_row(arow)
+    for arow in d.attempts_by_sequence(ctx, run_id, pairs):
+        out[arow.rollout_id] = attempt_from_row(arow)
     return out
-
-
-_LATEST_ATTEMPTS = select(A).where(
-    A.c.run_id == bindparam("r_run_id"),
-    tuple_(A.c.rollout_id, A.c.sequence_id).in_(bindparam("r_pairs", expanding=True)),
-)
 
 
 def with_latest_attempts(ctx: UnitContext, run_id: int, rows: Sequence[Any]) -> list[Rollout | AttemptedRollout]:
@@ -1136,7 +1126,6 @@ for _stmt in (
     _ROLLOUT_ROW,
     _ATTEMPT_BY_ID,
     _ATTEMPT_BY_SEQ,
-    _LATEST_ATTEMPTS,
     _ROLLOUT_WITH_COUNT,
 ):
     prebuilt(_stmt)
