@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from sqlalchemy import bindparam, select, update
 
+from lightning_sql.store.sql import dialect as d
 from lightning_sql.store.sql import fastexec
 from lightning_sql.store.sql import rollouts as ro
 from lightning_sql.store.sql import schema as s
@@ -62,11 +63,15 @@ async def test_prebuilt_statements_return_what_sqlalchemy_returns(store: Any) ->
         cases: list[tuple[Any, Any]] = [
             (ro._ROLLOUTS_BY_ID, {"r_run_id": run_id, "r_ids": ids[:4]}),  # expanding IN
             (ro._ROLLOUTS_BY_ID, {"r_run_id": run_id, "r_ids": []}),  # empty IN: SQLAlchemy's own path
-            (ro._LATEST_ATTEMPTS, {"r_run_id": run_id, "r_pairs": pairs}),  # tuple IN
+            (d._ATTEMPTS_BY_PAIRS_IN, {"la_run_id": run_id, "la_pairs": pairs}),  # tuple IN
             (ro._ROLLOUT_WITH_COUNT, {"r_run_id": run_id, "r_rollout_id": ids[0]}),
             (ro._ROLLOUT_WITH_COUNT, {"r_run_id": run_id, "r_rollout_id": "missing"}),
             (_PAGE, {"t_run_id": run_id, "t_limit": 3}),
         ]
+        if ctx.dialect == "postgresql":  # array parameters, a LATERAL look-up per pair
+            keyed = cached("attempts_by_sequence", d._attempts_by_sequence_statement)
+            rids, seqs = [rid for rid, _seq in pairs], [seq for _rid, seq in pairs]
+            cases.append((keyed, {"la_run_id": run_id, "la_rollout_ids": rids, "la_sequence_ids": seqs, "la_pairs": 3}))
         checked = []
         for stmt, params in cases:
             assert is_prebuilt(stmt)
@@ -93,7 +98,7 @@ async def test_prebuilt_statements_return_what_sqlalchemy_returns(store: Any) ->
         return checked
 
     counts = await store._call("test", unit, write=True)
-    assert counts == ["4", "0", "3", "1", "0", "3"]
+    assert counts == ["4", "0", "3", "1", "0", "3"] + (["3"] if store._target.dialect == "postgresql" else [])
 
 
 def test_plans_follow_the_connections_schema_map(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
