@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -24,6 +25,7 @@ import pytest
 from sqlalchemy import event
 
 from lightning_sql import EnqueueRolloutRequest, SqlLightningStore
+from lightning_sql.types import RolloutConfig
 from tests.conftest import PG_URL, BackendSpec
 from tests.contract.test_spans import make_span
 from tests.helpers import FakeClock, pg_execute, pg_fetch
@@ -148,6 +150,37 @@ async def test_a_page_of_rollouts_finds_their_latest_attempts_by_key(pg_backend:
         assert pg_backend.schema is not None
         nodes = await _plan(pg_backend.schema, *reads[0])
         assert any(n.get("Relation Name") == "attempts" for n in nodes)
+        assert _scans_of_the_run(nodes) == []
+    finally:
+        await store.close()
+
+
+async def test_a_sweep_rechecks_the_attempts_it_times_out_by_key(pg_backend: BackendSpec) -> None:
+    """The sweeper re-checks and updates the attempts it found expired by their keys.  As a
+    row-value ``IN`` list of keys sharing ``run_id``, the re-check was planned as a walk of every
+    in-flight rollout of the run through ``(run_id, status)``, filtered by the list: a sweep timing
+    out 5,000 of 30,000 claimed rollouts took 1.16 s (docs/performance.md, twenty-third pass)."""
+    clock = FakeClock(1_000_000.0)
+    store = pg_backend.open(run="r", clock=clock, clock_sync=False, scan_debounce_seconds=1)
+    try:
+        await store.enqueue_many_rollouts([EnqueueRolloutRequest(input={"i": i}) for i in range(ROLLOUTS)])
+        expiring = EnqueueRolloutRequest(input={"i": -1}, config=RolloutConfig(timeout_seconds=5))
+        await store.enqueue_many_rollouts([expiring.model_copy(deep=True) for _ in range(CALLERS)])
+        claimed = await store.dequeue_many_rollouts(limit=ROLLOUTS + CALLERS, worker_id="w")
+        assert len(claimed) == ROLLOUTS + CALLERS
+        clock.advance(10)
+        failed: list[Any] = []
+
+        async def sweep_and_read() -> None:  # query_rollouts sweeps first (lazily, once a second)
+            failed.extend(await store.query_rollouts(status_in=["failed"]))
+
+        statements = await _statements_of(store, sweep_and_read)
+        assert len(failed) == CALLERS  # the sweep timed them out (one attempt each: failed)
+        recheck = [(sql, p) for sql, p in statements if re.search(r"UPDATE \S*attempts SET status", sql)]
+        assert len(recheck) == 1, [sql[:120] for sql, _p in statements]
+        assert pg_backend.schema is not None
+        nodes = await _plan(pg_backend.schema, *recheck[0])
+        assert any(n["Node Type"] == "ModifyTable" and n.get("Relation Name") == "attempts" for n in nodes)
         assert _scans_of_the_run(nodes) == []
     finally:
         await store.close()

@@ -1013,6 +1013,35 @@ def _attempts_by_sequence_statement() -> Any:
     return select(*(attempt.c[c.name] for c in A.c)).select_from(wanted.join(attempt, true()))
 
 
+def named_attempts(ctx: UnitContext, keys: Sequence[tuple[int, str, str]]) -> ColumnElement[bool]:
+    """A condition on ``attempts`` that holds for the rows of these ``(run_id, rollout_id,
+    attempt_id)`` keys, for a statement that changes them (the sweeper's re-check).  PostgreSQL: a
+    join to a MATERIALIZED CTE of the keys ending in ``LIMIT n`` ("Keyed UPDATEs" above); as a
+    row-value ``IN`` list, whose keys share ``run_id``, the re-check was planned as a walk of every
+    in-flight rollout of the run filtered by the list (docs/performance.md, twenty-third pass).
+    SQLite: that list, which it reads by key."""
+    A = s.attempts
+    if ctx.dialect != "postgresql":
+        return tuple_(A.c.run_id, A.c.rollout_id, A.c.attempt_id).in_(list(keys))
+    named = (
+        select(
+            func.unnest(
+                bindparam(None, [run for run, _rid, _aid in keys], type_=ARRAY(Integer)),
+                bindparam(None, [rid for _run, rid, _aid in keys], type_=ARRAY(Text)),
+                bindparam(None, [aid for _run, _rid, aid in keys], type_=ARRAY(Text)),
+            )
+            .table_valued("run_id", "rollout_id", "attempt_id")
+            .render_derived(name="given")
+        )
+        .limit(len(keys))
+        .cte("named_attempts")
+        .prefix_with("MATERIALIZED")
+    )
+    return and_(
+        A.c.run_id == named.c.run_id, A.c.rollout_id == named.c.rollout_id, A.c.attempt_id == named.c.attempt_id
+    )
+
+
 def update_attempt_in_one_statement(
     ctx: UnitContext,
     run_id: int,

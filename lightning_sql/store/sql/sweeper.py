@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from sqlalchemy import and_, bindparam, case, literal, or_, select, tuple_, update
+from sqlalchemy import and_, bindparam, case, literal, or_, select, update
 
 from lightning_sql.store.sql import dialect as d
 from lightning_sql.store.sql import schema as s
@@ -86,7 +86,7 @@ def expire_leases(ctx: UnitContext, run_id: int | None, now: float) -> int:
         rows = ctx.execute(
             update(A)
             .where(
-                tuple_(A.c.run_id, A.c.rollout_id, A.c.attempt_id).in_(chunk),
+                d.named_attempts(ctx, chunk),
                 R.c.run_id == A.c.run_id,
                 R.c.rollout_id == A.c.rollout_id,
                 R.c.attempt_count == A.c.sequence_id,
