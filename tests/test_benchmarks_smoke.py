@@ -193,3 +193,22 @@ async def test_cookbook_plans_diagnostic_times_every_block_both_ways(pg_backend:
     assert all(set(ms) == {"unsampled", "sampled", "same plan"} and min(ms.values()) >= 0 for ms in results.values())
     lines = cookbook_plans.report(sizes, results)
     assert lines[-1].startswith("total") and len(lines) == len(results) + 3
+
+
+@pytest.mark.postgres
+async def test_inflight_diagnostic_counts_the_statements_and_restores_the_driver(pg_backend: BackendSpec) -> None:
+    """(``pg_backend``: PostgreSQL must answer; the benchmark makes its own schema.)"""
+    from asyncpg.prepared_stmt import PreparedStatement
+
+    from benchmarks import inflight
+
+    original = PreparedStatement.fetch
+    measured = await inflight.measure(runners=3, n=12)
+    assert PreparedStatement.fetch is original
+    assert measured.problems == [] and measured.wall > 0 and measured.cpu > 0
+    assert 0 < measured.flight.busy <= measured.wall
+    # Every lifecycle's claim, sequence ids, spans and update went through a fetch.
+    assert sum(measured.flight.counts.values()) >= 12
+    assert all(measured.flight.seconds[kind] > 0 for kind in measured.flight.counts)
+    lines = inflight.report([measured], 3)
+    assert "R=3" in lines[0] and "in flight" in lines[1]
