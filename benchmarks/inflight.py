@@ -43,7 +43,7 @@ class Flight:
 
     busy: float = 0.0
     counts: Counter[str] = field(default_factory=Counter)
-    seconds: Counter[str] = field(default_factory=Counter)
+    seconds: dict[str, float] = field(default_factory=dict)
     _open: int = 0
     _since: float = 0.0
 
@@ -60,7 +60,7 @@ class Flight:
         if self._open == 0:
             self.busy += now - self._since
         self.counts[kind] += 1
-        self.seconds[kind] += now - started
+        self.seconds[kind] = self.seconds.get(kind, 0.0) + now - started
 
 
 def _kind(query: str) -> str:
