@@ -509,6 +509,13 @@ _SPAN_JSON_COLUMNS = frozenset({"attributes", "events", "links", "resource", "ex
 _PROMOTED_STATUSES = ("preparing", *QUEUED_STATUSES)
 
 
+def _keys(derived: str, count: Any, **arrays: Any) -> Select[Any]:
+    """The keys of a keyed statement: the rows of parallel array parameters (``unnest``), one
+    column per keyword, ending in ``LIMIT count``, ``count`` being how many there are ("Keyed
+    UPDATEs" above: a generic plan then counts on one key, not ten)."""
+    return select(func.unnest(*arrays.values()).table_valued(*arrays).render_derived(name=derived)).limit(count)
+
+
 def ingests_spans_in_one_statement(ctx: UnitContext) -> bool:
     """Spans of one attempt are one statement (``add_spans_in_one_statement``): PostgreSQL only.
     SQLite has no data-modifying CTEs, and a statement there costs no round trip."""
@@ -681,18 +688,12 @@ def _span_ingest_many_statement() -> Any:
     R, A, S = s.rollouts, s.attempts, s.spans
     run_id = bindparam("sm_run_id", type_=Integer)
     now = bindparam("sm_now", type_=Float(precision=53))
-    wanted = (
-        select(
-            func.unnest(
-                bindparam("sm_group_rollout_ids", type_=ARRAY(Text)),
-                bindparam("sm_group_attempt_ids", type_=ARRAY(Text)),
-            )
-            .table_valued("rollout_id", "attempt_id")
-            .render_derived(name="pairs")
-        )
-        .limit(bindparam("sm_groups", type_=Integer))  # every pair: see "Keyed UPDATEs"
-        .cte("wanted")
-    )
+    wanted = _keys(
+        "pairs",
+        bindparam("sm_groups", type_=Integer),
+        rollout_id=bindparam("sm_group_rollout_ids", type_=ARRAY(Text)),
+        attempt_id=bindparam("sm_group_attempt_ids", type_=ARRAY(Text)),
+    ).cte("wanted")
     # Each row is locked through its key, in lock order: a LATERAL look-up per wanted row (its LIMIT
     # keeps the planner from turning it into a join, which on a table without statistics it plans
     # as a scan of the run's rows).  The ids sort as the id columns do (COLLATE "C": IdText), not in
@@ -988,18 +989,12 @@ _ATTEMPTS_BY_PAIRS_IN = prebuilt(
 
 def _attempts_by_sequence_statement() -> Any:
     A = s.attempts
-    wanted = (
-        select(
-            func.unnest(
-                bindparam("la_rollout_ids", type_=ARRAY(Text)),
-                bindparam("la_sequence_ids", type_=ARRAY(BigInteger)),
-            )
-            .table_valued("rollout_id", "sequence_id")
-            .render_derived(name="pairs")
-        )
-        .limit(bindparam("la_pairs", type_=Integer))  # every pair: see "Keyed UPDATEs"
-        .subquery("wanted")
-    )
+    wanted = _keys(
+        "pairs",
+        bindparam("la_pairs", type_=Integer),
+        rollout_id=bindparam("la_rollout_ids", type_=ARRAY(Text)),
+        sequence_id=bindparam("la_sequence_ids", type_=ARRAY(BigInteger)),
+    ).subquery("wanted")
     attempt = (
         select(A)
         .where(
@@ -1024,16 +1019,13 @@ def named_attempts(ctx: UnitContext, keys: Sequence[tuple[int, str, str]]) -> Co
     if ctx.dialect != "postgresql":
         return tuple_(A.c.run_id, A.c.rollout_id, A.c.attempt_id).in_(list(keys))
     named = (
-        select(
-            func.unnest(
-                bindparam(None, [run for run, _rid, _aid in keys], type_=ARRAY(Integer)),
-                bindparam(None, [rid for _run, rid, _aid in keys], type_=ARRAY(Text)),
-                bindparam(None, [aid for _run, _rid, aid in keys], type_=ARRAY(Text)),
-            )
-            .table_valued("run_id", "rollout_id", "attempt_id")
-            .render_derived(name="given")
+        _keys(
+            "given",
+            len(keys),
+            run_id=bindparam(None, [run for run, _rid, _aid in keys], type_=ARRAY(Integer)),
+            rollout_id=bindparam(None, [rid for _run, rid, _aid in keys], type_=ARRAY(Text)),
+            attempt_id=bindparam(None, [aid for _run, _rid, aid in keys], type_=ARRAY(Text)),
         )
-        .limit(len(keys))
         .cte("named_attempts")
         .prefix_with("MATERIALIZED")
     )
