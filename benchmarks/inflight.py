@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import contextlib
 import gc
-import resource
 import tempfile
 import time
 from collections import Counter
@@ -33,6 +32,7 @@ from typing import Any
 
 from benchmarks import targets as tg
 from benchmarks.payload import SpanFactory
+from benchmarks.percall import process_cpu
 from benchmarks.workloads import check_claims, runner_loop
 
 
@@ -97,11 +97,6 @@ class Measured:
     problems: list[str]
 
 
-def _cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 async def measure(*, runners: int, n: int) -> Measured:
     """One repetition: a fresh schema, ``n`` rollouts queued, ``runners`` runners until empty."""
     with tempfile.TemporaryDirectory(prefix="inflight-") as workdir:
@@ -113,11 +108,11 @@ async def measure(*, runners: int, n: int) -> Measured:
             flight = Flight()
             gc.collect()
             with watching(flight):
-                started, cpu = time.perf_counter(), _cpu()
+                started, cpu = time.perf_counter(), process_cpu()
                 await asyncio.gather(
                     *(runner_loop(store, factory, f"runner-{i}", 10, True, claimed) for i in range(runners))
                 )
-                wall, cpu = time.perf_counter() - started, _cpu() - cpu
+                wall, cpu = time.perf_counter() - started, process_cpu() - cpu
             return Measured(n, wall, cpu, flight, check_claims(claimed, n, "inflight"))
 
 

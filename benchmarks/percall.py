@@ -29,7 +29,8 @@ from benchmarks.workloads import median
 CALLS = ("dequeue_rollout", "span_sequence_ids(11)", "add_many_spans(10)", "add_span", "update_attempt", "query_spans")
 
 
-def _cpu() -> float:
+def process_cpu() -> float:
+    """This process's CPU time so far (user + system), in seconds."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
 
@@ -42,9 +43,9 @@ async def _phase(callers: int, calls: Sequence[Callable[[], Awaitable[Any]]]) ->
         for call in pending:
             await call()
 
-    cpu, started = _cpu(), time.perf_counter()
+    cpu, started = process_cpu(), time.perf_counter()
     await asyncio.gather(*(loop() for _ in range(callers)))
-    elapsed, used = time.perf_counter() - started, _cpu() - cpu
+    elapsed, used = time.perf_counter() - started, process_cpu() - cpu
     return len(calls) / elapsed, used / len(calls)
 
 
