@@ -571,8 +571,9 @@ def test_the_span_batch_locks_in_the_id_columns_order() -> None:
 
 
 async def test_a_claim_is_one_statement_without_a_transaction(wire: tuple[WireCounter, str, str]) -> None:
-    """dequeue: ONE statement (rollout, attempt and worker row together), no BEGIN or COMMIT; an
-    empty queue adds the idle marking, also without a transaction."""
+    """dequeue: ONE statement (rollout, attempt and worker row together), no BEGIN or COMMIT; on an
+    empty queue the idle marking is in that statement too (the direct write of the home loop, ADR
+    0005 decision 15), or a second one, also without a transaction (the claim's unit)."""
     counter, url, schema = wire
     store = _open(url, schema)
     try:
@@ -588,9 +589,20 @@ async def test_a_claim_is_one_statement_without_a_transaction(wire: tuple[WireCo
         latest = await store.get_latest_attempt(worker.current_rollout_id)
         assert latest is not None and latest.attempt_id == worker.current_attempt_id
         assert await store.dequeue_rollout(worker_id="w1") is None
-        per_call, seen = await _measure(counter, lambda i: store.dequeue_rollout(worker_id="w1"), 5)
-        assert seen.queries == [] and per_call == 2, seen  # the claim (nothing) and the idle marking
-        assert (await store.get_worker_by_id("w1")).status == "idle"  # type: ignore[union-attr]
+        home = store._worker._home  # type: ignore[union-attr]
+        for direct in (True, False):
+            writer = home.writer
+            if not direct:
+                home.writer = None  # as LIGHTNING_SQL_PG_DIRECT_WRITES=0
+            try:
+                await store.enqueue_rollout({"last": direct})
+                assert await store.dequeue_rollout(worker_id="w1") is not None  # w1 busy again
+                per_call, seen = await _measure(counter, lambda i: store.dequeue_rollout(worker_id="w1"), 5)
+            finally:
+                home.writer = writer
+            # The claim (nothing) with the idle marking; the unit: the claim, then the marking.
+            assert seen.queries == [] and per_call == (1 if direct else 2), (direct, seen)
+            assert (await store.get_worker_by_id("w1")).status == "idle"  # type: ignore[union-attr]
     finally:
         await store.close()
 

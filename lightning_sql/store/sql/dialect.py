@@ -227,7 +227,7 @@ def claim_in_one_statement(
 @dataclass(frozen=True)
 class ClaimingCall:
     """A call of a batch of claims whose worker row the claim statement writes
-    (``claim_many_in_one_statement``): its worker, its ``now``, and the 1-based positions of its
+    (``claim_many_statement``): its worker, its ``now``, and the 1-based positions of its
     first and last attempt ids among the batch's (``last = first - 1`` for a call of none)."""
 
     worker_id: str
@@ -236,18 +236,17 @@ class ClaimingCall:
     last: int
 
 
-def claim_many_in_one_statement(
-    ctx: UnitContext,
+def claim_many_statement(
     run_id: int,
     attempt_ids: Sequence[str],
     worker_ids: Sequence[str | None],
     nows: Sequence[float],
     returning: Sequence[Any],
     workers: Sequence[ClaimingCall] | None = None,
-) -> list[Any]:
-    """PostgreSQL: ``claim_in_one_statement`` for the attempts of several calls, each attempt with
-    its own worker id and start time (the i-th picked rollout gets the i-th attempt).  Rows in queue
-    order, as there.  Without ``workers`` it leaves the worker rows to the caller (who writes them
+) -> tuple[Any, dict[str, Any]]:
+    """PostgreSQL: the statement (and its parameters) of ``claim_in_one_statement`` for the
+    attempts of several calls, each attempt with its own worker id and start time (the i-th picked
+    rollout gets the i-th attempt).  Rows in queue order, as there.  Without ``workers`` it leaves the worker rows to the caller (who writes them
     in call order); with them the statement writes them too, what ``rollouts._worker_write`` does
     for each call: busy on its last claimed rollout (an empty worker id: nothing), or idle when it
     claimed none.  The workers must be distinct (one statement writes a row once)."""
@@ -269,7 +268,7 @@ def claim_many_in_one_statement(
         params["cw_nows"] = [call.now for call in workers]
         params["cw_firsts"] = [call.first for call in workers]
         params["cw_lasts"] = [call.last for call in workers]
-    return list(ctx.execute(stmt, params).all())
+    return stmt, params
 
 
 # The worker columns a claim sets (workers._BUSY_CLAIM); an existing row keeps every other column.
@@ -540,6 +539,14 @@ def add_spans_in_one_statement(
     span ids inserted).
     """
     assert ingests_spans_in_one_statement(ctx)
+    stmt, params = span_ingest_statement(run_id, now, rollout_id, attempt_id, rows)
+    return span_ingest_outcome(ctx.execute(stmt, params).all())
+
+
+def span_ingest_statement(
+    run_id: int, now: float, rollout_id: str, attempt_id: str, rows: Sequence[dict[str, Any]]
+) -> tuple[Any, dict[str, Any]]:
+    """``add_spans_in_one_statement``'s statement and parameters."""
     stmt = cached("span_ingest_one_statement", _span_ingest_statement)
     params: dict[str, Any] = {
         "si_run_id": run_id,
@@ -550,7 +557,12 @@ def add_spans_in_one_statement(
     }
     for name, _type in _SPAN_ARRAY_COLUMNS:
         params[f"si_{name}"] = [row[name] for row in rows]
-    row = ctx.execute(stmt, params).one()
+    return stmt, params
+
+
+def span_ingest_outcome(rows: Sequence[Any]) -> tuple[bool, bool, set[str]]:
+    """``add_spans_in_one_statement``'s outcome from its statement's row."""
+    (row,) = rows
     return bool(row.rollout_found), bool(row.attempt_found), set(row.inserted or ())
 
 
@@ -664,6 +676,12 @@ def add_spans_of_many_attempts_in_one_statement(
     first is true.
     """
     assert ingests_spans_in_one_statement(ctx)
+    stmt, params = span_ingest_many_statement(run_id, now, rows)
+    return span_ingest_many_outcome(ctx.execute(stmt, params).all())
+
+
+def span_ingest_many_statement(run_id: int, now: float, rows: Sequence[dict[str, Any]]) -> tuple[Any, dict[str, Any]]:
+    """``add_spans_of_many_attempts_in_one_statement``'s statement and parameters."""
     stmt = cached("span_ingest_many_attempts", _span_ingest_many_statement)
     groups = list(dict.fromkeys((row["rollout_id"], row["attempt_id"]) for row in rows))
     params: dict[str, Any] = {
@@ -678,7 +696,12 @@ def add_spans_of_many_attempts_in_one_statement(
     }
     for name, _type in _SPAN_ARRAY_COLUMNS:
         params[f"sm_{name}"] = [row[name] for row in rows]
-    result = ctx.execute(stmt, params).all()  # one row per span inserted, or one of NULLs
+    return stmt, params
+
+
+def span_ingest_many_outcome(result: Sequence[Any]) -> tuple[bool, set[tuple[str, str, str]]]:
+    """``add_spans_of_many_attempts_in_one_statement``'s outcome from its statement's rows (one per
+    span inserted, or one of NULLs)."""
     if not result[0].found:
         return False, set()
     return True, {(r.rollout_id, r.attempt_id, r.span_id) for r in result if r.span_id is not None}
@@ -1057,6 +1080,23 @@ def update_attempt_in_one_statement(
     Returns (the attempt's row as written, whether the rollout's row was written), or None, having
     written nothing, when the rollout or the attempt does not exist."""
     assert ctx.dialect == "postgresql"
+    stmt, params = update_attempt_statement(
+        run_id, rollout_id, attempt_id, attempt_values, rollout_values, worker_values, ctx.notify_channel
+    )
+    return update_attempt_outcome(ctx.execute(stmt, params).all())
+
+
+def update_attempt_statement(
+    run_id: int,
+    rollout_id: str,
+    attempt_id: str,
+    attempt_values: dict[str, Any],
+    rollout_values: dict[str, Any],
+    worker_values: dict[str, Any],
+    channel: str,
+) -> tuple[Any, dict[str, Any]]:
+    """``update_attempt_in_one_statement``'s statement and parameters (``channel``: the NOTIFY
+    channel of the store's schema, ``UnitContext.notify_channel``)."""
     finished = "end_time" in rollout_values
     key = ("update_attempt_in_one_statement", tuple(attempt_values), finished, tuple(worker_values))
     stmt = cached(key, lambda: _update_attempt_statement(tuple(attempt_values), finished, tuple(worker_values)))
@@ -1065,12 +1105,16 @@ def update_attempt_in_one_statement(
     params.update({f"or_{col}": value for col, value in rollout_values.items()})
     params.update({f"ow_{col}": value for col, value in worker_values.items()})
     if finished:
-        params["on_channel"] = ctx.notify_channel
+        params["on_channel"] = channel
         params["on_payload"] = f"{run_id}:finished"
-    row = ctx.execute(stmt, params).first()
-    if row is None:
+    return stmt, params
+
+
+def update_attempt_outcome(rows: Sequence[Any]) -> tuple[Any, bool] | None:
+    """``update_attempt_in_one_statement``'s outcome from its statement's rows."""
+    if not rows:
         return None
-    return row, bool(row.rollout_written)
+    return rows[0], bool(rows[0].rollout_written)
 
 
 def _update_attempt_statement(attempt_cols: tuple[str, ...], finished: bool, worker_cols: tuple[str, ...]) -> Any:
@@ -1154,6 +1198,15 @@ def update_attempts_in_one_statement(
     when a rollout or an attempt does not exist or two of the attempts have one worker (whose row
     the calls write in call order, merged: the transaction does that)."""
     assert ctx.dialect == "postgresql"
+    stmt, params = update_attempts_statement(run_id, calls, ctx.notify_channel)
+    return update_attempts_outcome(list(ctx.execute(stmt, params)), len(calls))
+
+
+def update_attempts_statement(
+    run_id: int, calls: Sequence[OneStatementUpdate], channel: str
+) -> tuple[Any, dict[str, Any]]:
+    """``update_attempts_in_one_statement``'s statement and parameters (``channel``: as
+    ``update_attempt_statement``'s)."""
     stmt = cached("update_attempts_in_one_statement", _update_attempts_statement)
     params: dict[str, Any] = {
         "ua_run_id": run_id,
@@ -1166,11 +1219,15 @@ def update_attempts_in_one_statement(
         "ua_heartbeat": [call.heartbeat[1] for call in calls],
         "ua_metadata_given": [call.metadata[0] for call in calls],
         "ua_metadata": [call.metadata[1] for call in calls],
-        "ua_channel": ctx.notify_channel,
+        "ua_channel": channel,
         "ua_payload": f"{run_id}:finished",
     }
-    rows = list(ctx.execute(stmt, params))
-    if len(rows) < len(calls):
+    return stmt, params
+
+
+def update_attempts_outcome(rows: Sequence[Any], count: int) -> list[tuple[Any, bool]] | None:
+    """``update_attempts_in_one_statement``'s outcome from its statement's rows (``count`` calls)."""
+    if len(rows) < count:
         return None
     return [(row, bool(row.rollout_written)) for row in rows]
 

@@ -102,6 +102,12 @@ PG_HOME_LOOP_UNITS = os.environ.get("LIGHTNING_SQL_PG_HOME_LOOP", "1") != "0"
 # coroutine on a connection the home engine keeps for it: no greenlet, no pool checkout (ADR 0005
 # decision 14).  0 sends every read through its unit (for comparisons).
 PG_DIRECT_READS = os.environ.get("LIGHTNING_SQL_PG_DIRECT_READS", "1") != "0"
+# A batch of the home loop that is ONE prebuilt statement atomic on its own (a claim, sequence ids,
+# spans, attempt updates: ``BatchUnit.plan``) runs the same way, on up to PG_DIRECT_WRITERS
+# connections the home engine keeps for it (ADR 0005 decision 15); a batch that finds them all busy
+# runs as a unit.  0 sends every batch through its unit (for comparisons).
+PG_DIRECT_WRITES = os.environ.get("LIGHTNING_SQL_PG_DIRECT_WRITES", "1") != "0"
+PG_DIRECT_WRITERS = 4
 NOTIFY_CHANNEL = "lightning_sql_v1"
 
 
@@ -278,14 +284,31 @@ class NeedsTransaction(Exception):
     ``SqlLightningStore.update_attempt`` for a call alone)."""
 
 
+@dataclass(slots=True)
+class Planned(Generic[T]):
+    """A batch of units as ONE prebuilt statement, atomic on its own (``BatchUnit.plan``): its
+    parameters, and how each unit's result comes from its rows: ``results(rows, events)`` raises
+    what the batch's unit would (the batch's own error, ``NeedsTransaction``) and adds to
+    ``events`` what the unit would announce (``UnitContext.announce``)."""
+
+    stmt: Any
+    params: dict[str, Any]
+    results: Callable[[list[Any], set[tuple[int, str]]], list[T]]
+
+
 class BatchUnit(Generic[T]):
     """A write unit that may run together with the units of the same ``key`` queued right after it
     (a SQLite group commit) or issued in the same turn of the caller's event loop (the I/O loop:
     ``StoreInstance._submit_batchable``), as one unit: ``run_batch(ctx, [args, ...])`` gives each
     unit's result, what the units would give run one after the other in that order (concurrent
-    claims become one claim of several rollouts).  Alone it is ``run_batch(ctx, [args])``."""
+    claims become one claim of several rollouts).  Alone it is ``run_batch(ctx, [args])``.
 
-    __slots__ = ("key", "args", "run_batch", "atomic", "max_batch")
+    ``plan([args, ...])``, when given, is the batch as one ``Planned`` statement, or None when it
+    is not one (then, and off the PostgreSQL home loop, ``run_batch`` runs it): what ``run_batch``
+    does on a first try without a transaction, on the home loop's kept connections
+    (``_HomeEngine.write``)."""
+
+    __slots__ = ("key", "args", "run_batch", "atomic", "max_batch", "plan")
 
     def __init__(
         self,
@@ -295,6 +318,7 @@ class BatchUnit(Generic[T]):
         *,
         atomic: bool = False,
         max_batch: int = 0,
+        plan: Callable[[list[Any]], Planned[T] | None] | None = None,
     ) -> None:
         self.key = key
         self.args = args
@@ -306,6 +330,7 @@ class BatchUnit(Generic[T]):
         # big batch becomes several, which run side by side on as many connections (the database's
         # work of one statement runs on one core).  SQLite's writer is one connection anyway.
         self.max_batch = max_batch
+        self.plan = plan
 
     def __call__(self, ctx: UnitContext) -> T:
         (result,) = self.run_batch(ctx, [self.args])
@@ -1430,7 +1455,10 @@ class AsyncLoopWorker(IoWorker):
             if home is None:
                 return None
         isolation = self._isolation(write, autocommit, snapshot)
-        task = loop.create_task(self._run_unit(unit, write, deadline_s, isolation, home.engine))
+        return self.hold(loop.create_task(self._run_unit(unit, write, deadline_s, isolation, home.engine)))
+
+    def hold(self, task: asyncio.Task[T]) -> asyncio.Task[T]:
+        """``task``, referenced until it is done (a loop keeps only weak references to tasks)."""
         self._running.add(task)
         task.add_done_callback(self._running.discard)
         return task
@@ -1449,11 +1477,13 @@ class AsyncLoopWorker(IoWorker):
             if home is not None:
                 home.terminate()
             engine = self._make_engine()
-            reader = self._make_engine(pool_size=1) if PG_DIRECT_READS and self.target.kind == "postgresql" else None
+            postgres = self.target.kind == "postgresql"
+            reader = self._make_engine(pool_size=1) if PG_DIRECT_READS and postgres else None
+            writer = self._make_engine(pool_size=PG_DIRECT_WRITERS) if PG_DIRECT_WRITES and postgres else None
             self._home = home = _HomeEngine(
-                loop, engine, reader, ping_after_rest=bool(self.options.get("pool_pre_ping", True))
+                loop, engine, reader, writer, ping_after_rest=bool(self.options.get("pool_pre_ping", True))
             )
-            for each in (engine, reader):
+            for each in (engine, reader, writer):
                 if each is not None:
                     event.listen(each.sync_engine, "connect", lambda _dbapi_conn, record: home.opened.add(record))
             return home
@@ -1463,6 +1493,14 @@ class AsyncLoopWorker(IoWorker):
         (``_HomeEngine.read``); None otherwise (the caller runs its unit)."""
         home = self._home
         if home is None or home.reader is None or not self.home_units or self.closed:
+            return None
+        return home if home.loop is asyncio.get_running_loop() else None
+
+    def direct_writes_here(self) -> _HomeEngine | None:
+        """The home engine when the calling loop is the worker's home loop and it writes directly
+        (``_HomeEngine.write``); None otherwise (the batch runs as a unit)."""
+        home = self._home
+        if home is None or home.writer is None or not self.home_units or self.closed:
             return None
         return home if home.loop is asyncio.get_running_loop() else None
 
@@ -1518,9 +1556,7 @@ class AsyncLoopWorker(IoWorker):
         for unit, write, deadline_s, isolation, fut in items:
             if fut.cancelled():
                 continue
-            task = self._loop.create_task(self._run_unit(unit, write, deadline_s, isolation))
-            self._running.add(task)
-            task.add_done_callback(self._running.discard)
+            task = self.hold(self._loop.create_task(self._run_unit(unit, write, deadline_s, isolation)))
             task.add_done_callback(functools.partial(_settle_from_task, fut))
 
     def close(self) -> None:
@@ -1745,6 +1781,7 @@ class _HomeEngine:
         loop: asyncio.AbstractEventLoop,
         engine: AsyncEngine,
         reader: AsyncEngine | None = None,
+        writer: AsyncEngine | None = None,
         *,
         ping_after_rest: bool = True,
     ) -> None:
@@ -1758,6 +1795,12 @@ class _HomeEngine:
         self._pinned: Connection | None = None
         self._pinned_used = 0.0  # time.monotonic() of its last statement
         self._reading = False
+        # Direct writes (``write``): a pool of PG_DIRECT_WRITERS connections of their own, kept
+        # checked out; the idle ones wait in ``_writers`` with the time of their last statement.
+        self.writer = writer
+        self._writers: list[tuple[Connection, float]] = []
+        self._writing: set[Connection] = set()
+        self._disposed = False
 
     async def read(self, stmt: Any, params: dict[str, Any]) -> list[Any] | None:
         """The rows of one prebuilt read statement, run as a coroutine of the home loop on the
@@ -1799,11 +1842,61 @@ class _HomeEngine:
             if conn is not None and self._pinned is not conn and not conn.invalidated and not conn.closed:
                 self._drop(conn)  # released while it read: the pool it came from is disposed
 
-    async def _connect(self) -> Connection:
-        """A new connection to keep; a caller cancelled while it opens leaves it to open and gives
-        it up then (the pool's slot is freed, nothing is left checked out)."""
-        assert self.reader is not None
-        opening = asyncio.ensure_future(greenlet_spawn(self.reader.sync_engine.connect))
+    async def write(self, stmt: Any, params: dict[str, Any]) -> list[Any] | None:
+        """The rows of one prebuilt write statement that is atomic on its own (it commits as it
+        ends: the connections rest in autocommit), run as a coroutine of the home loop on one of
+        the connections this engine keeps for it (``fastexec.fetch_prebuilt``).  None, with
+        nothing sent, when it cannot run so: every kept connection busy and their pool full,
+        either engine with ``echo`` or event listeners, a statement that needs SQLAlchemy, or a
+        connection that could not be opened or that failed the ping after a rest (it is given up).
+        An error once the statement was sent is raised, the connection given up: the statement
+        may have committed before it (the caller replays the batch as a unit)."""
+        units = self.engine.sync_engine
+        if self.writer is None or self._disposed or units.echo or units._has_events:
+            return None
+        conn: Connection | None = None
+        try:
+            if self._writers:
+                conn, used = self._writers.pop()
+                self._writing.add(conn)
+                if self.ping_after_rest and time.monotonic() - used >= PG_PRE_PING_IDLE_S:
+                    await conn.connection.dbapi_connection._async_ping()  # type: ignore[union-attr]
+            elif len(self._writing) < PG_DIRECT_WRITERS:
+                conn = await self._connect(self.writer)
+                self._writing.add(conn)
+            else:
+                return None
+        except Exception:  # noqa: BLE001 - nothing was sent: the batch runs as a unit
+            logger.debug("no connection for a direct write; its unit runs it", exc_info=True)
+            self._drop_writer(conn)
+            return None
+        except BaseException:
+            self._drop_writer(conn)
+            raise
+        try:
+            rows = await fastexec.fetch_prebuilt(conn, stmt, params)
+        except BaseException:
+            self._drop_writer(conn)
+            raise
+        self._writing.discard(conn)
+        if self._disposed or conn.invalidated or conn.closed:
+            self._drop_writer(conn)  # disposed of while it wrote
+        else:
+            self._writers.append((conn, time.monotonic()))
+        return rows
+
+    def _drop_writer(self, conn: Connection | None) -> None:
+        if conn is not None:
+            self._writing.discard(conn)
+            self._drop(conn)
+
+    async def _connect(self, engine: AsyncEngine | None = None) -> Connection:
+        """A new connection to keep (the reader's unless ``engine``); a caller cancelled while it
+        opens leaves it to open and gives it up then (the pool's slot is freed, nothing is left
+        checked out)."""
+        engine = engine or self.reader
+        assert engine is not None
+        opening = asyncio.ensure_future(greenlet_spawn(engine.sync_engine.connect))
         try:
             return await asyncio.shield(opening)
         except asyncio.CancelledError:
@@ -1828,16 +1921,22 @@ class _HomeEngine:
             logger.debug("dropping the direct-read connection failed", exc_info=True)
 
     async def dispose(self) -> None:
-        """Close every connection politely, on this engine's loop: the kept one back to its pool
-        first (``dispose`` closes only what a pool holds), unless a read has it (it closes it)."""
+        """Close every connection politely, on this engine's loop: the kept ones back to their pools
+        first (``dispose`` closes only what a pool holds), unless a read or a write has one (it
+        closes it as it ends)."""
         conn, self._pinned = self._pinned, None
-        if conn is not None and not self._reading:
+        self._disposed = True  # a write under way drops its connection when it ends
+        kept = [conn] if conn is not None and not self._reading else []
+        kept += [each for each, _used in self._writers]
+        self._writers.clear()
+        for each in kept:
             try:
-                await greenlet_spawn(conn.close)
+                await greenlet_spawn(each.close)
             except Exception:  # noqa: BLE001 - disposed below either way
-                logger.debug("returning the direct-read connection failed", exc_info=True)
-        if self.reader is not None:
-            await self.reader.dispose()
+                logger.debug("returning a direct connection failed", exc_info=True)
+        for engine in (self.reader, self.writer):
+            if engine is not None:
+                await engine.dispose()
         await self.engine.dispose()
 
     def terminate(self) -> None:
@@ -1846,6 +1945,11 @@ class _HomeEngine:
         connection is handed back to its pool as it is ended (else the collector would find it
         checked out)."""
         self._drop(self._pinned)
+        self._disposed = True
+        for conn in [each for each, _used in self._writers] + list(self._writing):
+            self._drop(conn)
+        self._writers.clear()
+        self._writing.clear()
         for record in list(self.opened):
             dbapi_conn = record.dbapi_connection
             if dbapi_conn is None:

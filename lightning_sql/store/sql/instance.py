@@ -32,12 +32,14 @@ from lightning_sql.store.sql.engine import (
     DatabaseTarget,
     IoWorker,
     NeedsTransaction,
+    Planned,
     SchemaUnit,
     SqliteThreadWorker,
     UnitContext,
     acquire_worker,
     drop_closed_loops,
     normalise_url,
+    notify_channel,
     release_worker,
     wake_loop,
 )
@@ -318,6 +320,11 @@ class StoreInstance:
         return self._run_name
 
     @property
+    def _notify_channel(self) -> str:
+        """PostgreSQL: the NOTIFY channel of the store's schema (``UnitContext.notify_channel``)."""
+        return notify_channel(self._schema)
+
+    @property
     def url(self) -> str:
         """The database URL with its password masked."""
         return self._target.masked
@@ -478,15 +485,13 @@ class StoreInstance:
                 _settle(done, fut)
                 done.add_done_callback(lambda _done: alone(index + 1, replay))
 
-        if len(items) == 1:
-            alone(0)
-            return
         units = [unit for unit, _fut, _autocommit in items]
+        one = len(items) == 1
 
-        def start(autocommit: bool) -> None:
+        def start(autocommit: bool, replay: int = 0) -> None:
             combined = self._start(
                 worker,
-                lambda ctx: units[0].run_batch(ctx, [unit.args for unit in units]),
+                _replaying(lambda ctx: units[0].run_batch(ctx, [unit.args for unit in units]), replay),
                 write=True,
                 autocommit=autocommit,
             )
@@ -514,7 +519,54 @@ class StoreInstance:
             else:  # its one statement committed nothing, unless the error came after it: replays
                 alone(0, replay=1)
 
-        start(units[0].atomic)
+        def settle_direct(done: asyncio.Future[list[Any] | None], planned: Planned[Any]) -> None:
+            """The outcome of a direct write (``_HomeEngine.write``), or the unit's path where it
+            has none: not sent, the batch (or the unit alone) runs as a unit; sent and failed
+            (it may have committed), as a replay; ``NeedsTransaction``, in a transaction."""
+            if done.cancelled():
+                for _unit, fut, _autocommit in items:
+                    fut.cancel()
+                return
+            if done.exception() is not None:
+                alone(0, replay=1) if one else start(True, replay=1)
+                return
+            rows = done.result()
+            if rows is None:
+                alone(0) if one else start(True)
+                return
+            events: set[tuple[int, str]] = set()
+            try:
+                results = planned.results(rows, events)
+            except Exception as exc:  # noqa: BLE001 - the unit's own outcome, as its unit gives it
+                if one:
+                    items[0][1].set_exception(exc)
+                elif isinstance(exc, NeedsTransaction):
+                    start(False)  # it wrote nothing: the same batch in a transaction
+                else:  # the batch's own error, its statement atomic: each unit alone, for its own
+                    alone(0, replay=1)
+                return
+            for run_id, _kind in events:
+                worker.hub.wake(run_id)
+            if not one:
+                worker.batched_units += len(items)
+            for (_unit, fut, _autocommit), result in zip(items, results, strict=True):
+                if not fut.done():
+                    fut.set_result(result)
+
+        # A batch (or a unit alone) that is one statement without a transaction runs as a coroutine
+        # on the home engine's kept connections when it can (ADR 0005 decision 15).
+        if units[0].plan is not None and (items[0][2] if one else units[0].atomic):
+            home = worker.direct_writes_here()
+            planned = units[0].plan([unit.args for unit in units]) if home is not None else None
+            if home is not None and planned is not None:
+                written = asyncio.get_running_loop().create_task(home.write(planned.stmt, planned.params))
+                worker.hold(written)
+                written.add_done_callback(lambda done: settle_direct(done, planned))
+                return
+        if one:
+            alone(0)
+        else:
+            start(units[0].atomic)
 
     async def _prepare(self, *, needs_run: bool = True) -> tuple[IoWorker, int | None]:
         worker = self._attach()
@@ -589,13 +641,16 @@ class StoreInstance:
         autocommit: bool = False,
         atomic_batch: bool = False,
         max_batch: int = 0,
+        plan: Callable[[int, list[Any]], Planned[T] | None] | None = None,
     ) -> T:
         """``_call`` of a write unit that may run together with the units of the same ``run_batch``
         and run issued in the same turn of the caller's event loop (``engine.BatchUnit``):
         ``run_batch(ctx, run_id, [(now, args), ...])`` returns each call's result, what the calls
         would return run one after the other in that order; a call alone is a batch of one.
         ``autocommit``: a call alone may run without a transaction (PostgreSQL); ``atomic_batch``:
-        a batch too (it is one statement); ``max_batch``: ``BatchUnit``'s."""
+        a batch too (it is one statement); ``max_batch``: ``BatchUnit``'s; ``plan(run_id, [(now,
+        args), ...])``: the batch as one statement (``BatchUnit.plan``), what ``run_batch`` runs
+        on a first try without a transaction, or None."""
         self._check_writable(method)
         worker, run_id = await self._prepare()
         assert run_id is not None
@@ -608,6 +663,7 @@ class StoreInstance:
             lambda ctx, many: run_batch(ctx, run_id, many),
             atomic=atomic_batch,
             max_batch=max_batch,
+            plan=None if plan is None else lambda many: plan(run_id, many),
         )
         return await self._submit(worker, unit, write=True, autocommit=autocommit)
 

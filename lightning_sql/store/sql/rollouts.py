@@ -7,7 +7,7 @@ a lost commit finds its own rows instead of acting twice (contract §0.3).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +16,7 @@ from sqlalchemy import ColumnElement, bindparam, func, select, update
 from lightning_sql.store.sql import dialect as d
 from lightning_sql.store.sql import filters as f
 from lightning_sql.store.sql import schema as s
-from lightning_sql.store.sql.engine import EncodedJson, NeedsTransaction, UnitContext
+from lightning_sql.store.sql.engine import EncodedJson, NeedsTransaction, Planned, UnitContext
 from lightning_sql.store.sql.rows import (
     ROLLOUT_COLUMNS,
     attempt_from_row,
@@ -413,24 +413,63 @@ def _claim_many_postgres(
 ) -> list[list[AttemptedRollout]]:
     """The claim of several calls' rollouts in one statement; ``with_workers``: with the calls'
     worker rows (``dialect.ClaimingCall``), else the caller writes them."""
+    workers: list[d.ClaimingCall] | None = None
+    if with_workers:
+        workers = _claiming_calls(calls)
+        if workers is None:
+            # Two calls of one worker write its row in call order: the transaction does that.
+            raise NeedsTransaction()
+    elif not any(ids for _now, (ids, _worker_id) in calls):
+        return [[] for _call in calls]
+    stmt, params = _claim_many_statement(run_id, calls, workers)
+    return _claims_of_calls(calls, ctx.execute(stmt, params).all())
+
+
+def plan_claims(
+    run_id: int, calls: Sequence[tuple[float, tuple[Sequence[str], str | None]]]
+) -> Planned[list[AttemptedRollout]] | None:
+    """PostgreSQL: ``claim_batch`` on a first try without a transaction as ONE statement
+    (``BatchUnit.plan``): the calls' claim with their worker rows (``_claim_many_postgres``), for a
+    call alone too (what ``claim``'s one or two statements do: the worker busy on its last claimed
+    rollout, or idle when it claimed none).  None when two calls share a worker (their rows are
+    written in call order, in a transaction) or a call claims nothing."""
+    workers = _claiming_calls(calls)
+    if workers is None or not all(ids for _now, (ids, _worker_id) in calls):
+        return None
+    stmt, params = _claim_many_statement(run_id, calls, workers)
+    return Planned(stmt, params, lambda rows, _events: _claims_of_calls(calls, rows))
+
+
+def _claiming_calls(calls: Sequence[tuple[float, tuple[Sequence[str], str | None]]]) -> list[d.ClaimingCall] | None:
+    """The calls' worker rows to write with their claim (``dialect.ClaimingCall``), or None when two
+    calls share a worker."""
+    workers = []
+    first = 1
+    for now, (ids, worker_id) in calls:
+        if worker_id is not None:
+            workers.append(d.ClaimingCall(worker_id, now, first, first + len(ids) - 1))
+        first += len(ids)
+    if len({call.worker_id for call in workers}) < len(workers):
+        return None
+    return workers
+
+
+def _claim_many_statement(
+    run_id: int,
+    calls: Sequence[tuple[float, tuple[Sequence[str], str | None]]],
+    workers: list[d.ClaimingCall] | None,
+) -> tuple[Any, dict[str, Any]]:
     attempt_ids = [aid for _now, (ids, _worker_id) in calls for aid in ids]
     worker_ids = [worker_id for _now, (ids, worker_id) in calls for _aid in ids]
     nows = [now for now, (ids, _worker_id) in calls for _aid in ids]
-    workers: list[d.ClaimingCall] | None = None
-    if with_workers:
-        workers = []
-        first = 1
-        for now, (ids, worker_id) in calls:
-            if worker_id is not None:
-                workers.append(d.ClaimingCall(worker_id, now, first, first + len(ids) - 1))
-            first += len(ids)
-        if len({call.worker_id for call in workers}) < len(workers):
-            # Two calls of one worker write its row in call order: the transaction does that.
-            raise NeedsTransaction()
-    elif not attempt_ids:
-        return [[] for _call in calls]
-    rows = d.claim_many_in_one_statement(ctx, run_id, attempt_ids, worker_ids, nows, ROLLOUT_COLUMNS, workers)
-    by_attempt = {row.attempt_id: row for row in rows}  # the first len(rows) attempt ids, in call order
+    return d.claim_many_statement(run_id, attempt_ids, worker_ids, nows, ROLLOUT_COLUMNS, workers)
+
+
+def _claims_of_calls(
+    calls: Sequence[tuple[float, tuple[Sequence[str], str | None]]], rows: Sequence[Any]
+) -> list[list[AttemptedRollout]]:
+    """Each call's claimed rollouts from the claim's rows (the first len(rows) attempt ids, in call order)."""
+    by_attempt = {row.attempt_id: row for row in rows}
     return [
         [_attempted_claim(by_attempt[aid], aid, now, worker_id) for aid in ids if aid in by_attempt]
         for now, (ids, worker_id) in calls
@@ -833,6 +872,27 @@ def _update_attempt_in_one_statement(
 ) -> Attempt:
     """``update_attempt`` as ONE statement that locks and writes what ``_attempt_writes`` decides
     (``dialect.update_attempt_in_one_statement``), for a call that ``fits_one_statement``."""
+    stmt, params, outcome = _one_update(run_id, now, rollout_id, attempt_id, changes, ctx.notify_channel)
+    events: set[tuple[int, str]] = set()
+    attempt = outcome(ctx.execute(stmt, params).all(), events)
+    _notified(ctx, events)
+    return attempt
+
+
+def _notified(ctx: UnitContext, events: set[tuple[int, str]]) -> None:
+    """Announce the events a one-statement update notified (for this process's waiters), as
+    notified already (the statement notified the other processes)."""
+    for run_id, kind in events:
+        ctx.announce(run_id, kind)
+    ctx.notified.update(events)
+
+
+def _one_update(
+    run_id: int, now: float, rollout_id: str, attempt_id: str, changes: dict[str, Any], channel: str
+) -> tuple[Any, dict[str, Any], Callable[[Sequence[Any], set[tuple[int, str]]], Attempt]]:
+    """``_update_attempt_in_one_statement``'s statement, parameters, and its outcome from the
+    statement's rows (which raises ``NeedsTransaction`` when it found nothing to write, and adds
+    ``(run_id, "finished")`` to the events when it finished the rollout)."""
     status = changes["status"]
     values = dict(changes)
     rollout_values: dict[str, Any] = {"status": status}
@@ -840,14 +900,18 @@ def _update_attempt_in_one_statement(
         values["end_time"] = now
         rollout_values["end_time"] = now
     worker = worker_following(now, status, rollout_id, attempt_id, claim=False)
-    found = d.update_attempt_in_one_statement(ctx, run_id, rollout_id, attempt_id, values, rollout_values, worker)
-    if found is None:
-        raise NeedsTransaction(rollout_id, attempt_id)
-    row, rollout_written = found
-    if rollout_written and status in FINISHED_STATUSES:
-        ctx.announce(run_id, "finished")  # for this process's waiters: the statement notified the others
-        ctx.notified.add((run_id, "finished"))
-    return attempt_from_row(row)
+    stmt, params = d.update_attempt_statement(run_id, rollout_id, attempt_id, values, rollout_values, worker, channel)
+
+    def outcome(rows: Sequence[Any], events: set[tuple[int, str]]) -> Attempt:
+        found = d.update_attempt_outcome(rows)
+        if found is None:
+            raise NeedsTransaction(rollout_id, attempt_id)
+        row, rollout_written = found
+        if rollout_written and status in FINISHED_STATUSES:
+            events.add((run_id, "finished"))
+        return attempt_from_row(row)
+
+    return stmt, params, outcome
 
 
 def _update_attempts_in_one_statement(
@@ -857,23 +921,64 @@ def _update_attempts_in_one_statement(
     ONE statement (``dialect.update_attempts_in_one_statement``); anything else, and a batch that
     finds a call's rollout or attempt missing or two attempts of one worker, raises
     ``NeedsTransaction`` before it writes anything (the batch then runs in a transaction)."""
+    updates = _one_statement_updates(calls)
+    if updates is None:
+        raise NeedsTransaction()
+    stmt, params = d.update_attempts_statement(run_id, updates, ctx.notify_channel)
+    events: set[tuple[int, str]] = set()
+    attempts = _updated_attempts(run_id, updates, list(ctx.execute(stmt, params)), events)
+    _notified(ctx, events)
+    return attempts
+
+
+def _one_statement_updates(
+    calls: Sequence[tuple[float, tuple[str, str, dict[str, Any]]]],
+) -> list[d.OneStatementUpdate] | None:
+    """The calls as one statement's updates, or None when one does not ``fits_one_statement`` or
+    two are of one rollout (a later call of a rollout sees the earlier one's writes: in order)."""
     updates = []
     for now, (rollout_id, attempt_id, changes) in calls:
         if not fits_one_statement(attempt_id, changes):
-            raise NeedsTransaction(rollout_id, attempt_id)
+            return None
         heartbeat = ("last_heartbeat_time" in changes, changes.get("last_heartbeat_time"))
         metadata = ("metadata" in changes, changes.get("metadata"))
         updates.append(d.OneStatementUpdate(rollout_id, attempt_id, now, changes["status"], heartbeat, metadata))
     if len({update.rollout_id for update in updates}) < len(updates):
-        raise NeedsTransaction()  # a later call of a rollout sees the earlier one's writes: in order
-    found = d.update_attempts_in_one_statement(ctx, run_id, updates)
+        return None
+    return updates
+
+
+def _updated_attempts(
+    run_id: int, updates: list[d.OneStatementUpdate], rows: Sequence[Any], events: set[tuple[int, str]]
+) -> list[Attempt]:
+    """Each call's attempt from the batch statement's rows; ``NeedsTransaction`` when it found a
+    rollout or an attempt missing (it wrote nothing); ``(run_id, "finished")`` added to the events
+    when it finished a rollout."""
+    found = d.update_attempts_outcome(rows, len(updates))
     if found is None:
         raise NeedsTransaction()
-    pairs = zip(updates, found, strict=True)
-    if any(written and update.status in FINISHED_STATUSES for update, (_row, written) in pairs):
-        ctx.announce(run_id, "finished")  # for this process's waiters: the statement notified the others
-        ctx.notified.add((run_id, "finished"))
+    if any(written and update.status in FINISHED_STATUSES for update, (_row, written) in zip(updates, found, strict=True)):
+        events.add((run_id, "finished"))
     return [attempt_from_row(row) for row, _written in found]
+
+
+def plan_attempt_updates(
+    channel: str, run_id: int, calls: Sequence[tuple[float, tuple[str, str, dict[str, Any]]]]
+) -> Planned[Attempt] | None:
+    """PostgreSQL: ``update_attempt_batch`` on a first try without a transaction as the one
+    statement it runs there (``BatchUnit.plan``), for a call alone too; None for calls it runs in a
+    transaction.  ``channel``: the NOTIFY channel of the store's schema."""
+    if len(calls) == 1:
+        ((now, (rollout_id, attempt_id, changes)),) = calls
+        if not fits_one_statement(attempt_id, changes):
+            return None
+        stmt, params, outcome = _one_update(run_id, now, rollout_id, attempt_id, changes, channel)
+        return Planned(stmt, params, lambda rows, events: [outcome(rows, events)])
+    updates = _one_statement_updates(calls)
+    if updates is None:
+        return None
+    stmt, params = d.update_attempts_statement(run_id, updates, channel)
+    return Planned(stmt, params, lambda rows, events: _updated_attempts(run_id, updates, rows, events))
 
 
 # The calls of one batch of ``update_attempt``s on the I/O loop (``BatchUnit.max_batch``): a turn's

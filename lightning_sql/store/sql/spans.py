@@ -18,7 +18,7 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from lightning_sql.store.sql import dialect as d
 from lightning_sql.store.sql import filters as f
 from lightning_sql.store.sql import schema as s
-from lightning_sql.store.sql.engine import UnitContext
+from lightning_sql.store.sql.engine import Planned, UnitContext
 from lightning_sql.store.sql.rows import deferred_span_from_row, span_read_columns
 from lightning_sql.store.sql.statements import cached
 from lightning_sql.types import QUEUED_STATUSES, PaginatedResult, Span, check_text
@@ -59,6 +59,30 @@ def _set_span_seq(ctx: UnitContext, run_id: int, rollout_id: str, value: int) ->
     ctx.execute(stmt, {"s_run_id": run_id, "s_rollout_id": rollout_id, "s_value": value})
 
 
+def _counts(pairs: Sequence[tuple[str, str]], into: dict[str, int] | None = None) -> dict[str, int]:
+    """How many ids each rollout of ``pairs`` takes (added to ``into``), in order of first use."""
+    counts = {} if into is None else into
+    for rid, _aid in pairs:
+        counts[rid] = counts.get(rid, 0) + 1
+    return counts
+
+
+def _bump_counter() -> Any:
+    return (
+        update(R)
+        .where(R.c.run_id == bindparam("s_run_id"), R.c.rollout_id == bindparam("s_rollout_id"))
+        .values(span_seq=R.c.span_seq + bindparam("s_count"))
+        .returning(R.c.span_seq)
+    )
+
+
+def _ids_of_one_rollout(rid: str, count: int, end: int | None) -> list[int]:
+    """The ``count`` ids of one rollout whose counter the bump moved to ``end`` (None: not found)."""
+    if end is None:
+        raise ValueError(f"Rollout {rid} not found")
+    return list(range(int(end) - count + 1, int(end) + 1))
+
+
 def reserve_sequence_ids(ctx: UnitContext, run_id: int, pairs: Sequence[tuple[str, str]]) -> list[int]:
     """Reserve one sequence id per (rollout, attempt) pair, handed out in input order.
 
@@ -67,22 +91,12 @@ def reserve_sequence_ids(ctx: UnitContext, run_id: int, pairs: Sequence[tuple[st
     several rollouts lock them all first, so that an unknown one changes nothing."""
     if not pairs:
         return []
-    counts: dict[str, int] = {}
-    for rid, _aid in pairs:
-        counts[rid] = counts.get(rid, 0) + 1
+    counts = _counts(pairs)
     if len(counts) == 1:
         ((rid, count),) = counts.items()
-        bump = cached(
-            "span_bump_counter",
-            lambda: update(R)
-            .where(R.c.run_id == bindparam("s_run_id"), R.c.rollout_id == bindparam("s_rollout_id"))
-            .values(span_seq=R.c.span_seq + bindparam("s_count"))
-            .returning(R.c.span_seq),
-        )
-        end = ctx.execute(bump, {"s_run_id": run_id, "s_rollout_id": rid, "s_count": count}).scalar_one_or_none()
-        if end is None:
-            raise ValueError(f"Rollout {rid} not found")
-        return list(range(int(end) - count + 1, int(end) + 1))
+        params = {"s_run_id": run_id, "s_rollout_id": rid, "s_count": count}
+        end = ctx.execute(cached("span_bump_counter", _bump_counter), params).scalar_one_or_none()
+        return _ids_of_one_rollout(rid, count, end)
     locked = _lock_rollouts(ctx, run_id, list(counts))
     for rid in counts:
         if rid not in locked:
@@ -112,9 +126,14 @@ def reserve_sequence_ids_batch(
         return [reserve_sequence_ids(ctx, run_id, pairs) for _now, pairs in calls]
     counts: dict[str, int] = {}
     for _now, pairs in calls:
-        for rid, _aid in pairs:
-            counts[rid] = counts.get(rid, 0) + 1
-    ends = _bump_counters(ctx, run_id, counts)
+        _counts(pairs, counts)
+    return _ids_of_calls(calls, counts, _bump_counters(ctx, run_id, counts))
+
+
+def _ids_of_calls(
+    calls: Sequence[tuple[float, Sequence[tuple[str, str]]]], counts: dict[str, int], ends: dict[str, int]
+) -> list[list[int]]:
+    """Each call's ids, from the counters' new values ``ends`` (the rollouts' ``counts`` added)."""
     next_value: dict[str, int] = {}
     for rid, count in counts.items():
         if rid not in ends:
@@ -130,16 +149,44 @@ def reserve_sequence_ids_batch(
     return out
 
 
+def plan_sequence_ids(
+    run_id: int, calls: Sequence[tuple[float, Sequence[tuple[str, str]]]]
+) -> Planned[list[int]] | None:
+    """PostgreSQL: ``reserve_sequence_ids_batch`` as the one statement it runs (``BatchUnit.plan``),
+    or None for one call over several rollouts (it locks them, then writes)."""
+    if len(calls) == 1:
+        counts = _counts(calls[0][1])
+        if len(counts) != 1:
+            return None
+        ((rid, count),) = counts.items()
+        params = {"s_run_id": run_id, "s_rollout_id": rid, "s_count": count}
+        return Planned(
+            cached("span_bump_counter", _bump_counter),
+            params,
+            lambda rows, _events: [_ids_of_one_rollout(rid, count, rows[0][0] if rows else None)],
+        )
+    counts = {}
+    for _now, pairs in calls:
+        _counts(pairs, counts)
+    stmt, params = _bump_counters_statement(run_id, counts, "postgresql")
+    return Planned(
+        stmt, params, lambda rows, _events: _ids_of_calls(calls, counts, {row[0]: int(row[1]) for row in rows})
+    )
+
+
+def _bump_counters_statement(run_id: int, counts: dict[str, int], dialect: str) -> tuple[Any, dict[str, Any]]:
+    params: dict[str, Any] = {"s_run_id": run_id, "s_n": len(counts)}
+    if dialect == "postgresql":
+        params.update(s_ids=list(counts), s_counts=list(counts.values()))
+        return cached(("span_bump_counters", "postgresql"), _bump_counters_postgres), params
+    params["s_counts"] = encode_json(counts, "counts")
+    return cached(("span_bump_counters", "sqlite"), _bump_counters_sqlite), params
+
+
 def _bump_counters(ctx: UnitContext, run_id: int, counts: dict[str, int]) -> dict[str, int]:
     """Add ``counts[rid]`` to each rollout's span counter in one statement, only when every one of
     them exists: their new values, or {} (nothing changed) when one is unknown."""
-    params: dict[str, Any] = {"s_run_id": run_id, "s_n": len(counts)}
-    if ctx.dialect == "postgresql":
-        stmt = cached(("span_bump_counters", "postgresql"), _bump_counters_postgres)
-        params.update(s_ids=list(counts), s_counts=list(counts.values()))
-    else:
-        stmt = cached(("span_bump_counters", "sqlite"), _bump_counters_sqlite)
-        params["s_counts"] = encode_json(counts, "counts")
+    stmt, params = _bump_counters_statement(run_id, counts, ctx.dialect)
     return {row[0]: int(row[1]) for row in ctx.execute(stmt, params)}
 
 
@@ -295,12 +342,42 @@ def add_spans_batch(
     (``dialect.add_spans_of_many_attempts_in_one_statement``), atomic on its own; it changes nothing
     when one of the rollouts or attempts is missing, and the batch then raises, so that its calls run
     alone and only the faulty one fails.  Elsewhere the calls one after the other."""
+    _stamp_run(run_id, calls)
+    if len(calls) == 1 or not d.ingests_spans_in_one_statement(ctx):
+        return [add_spans(ctx, run_id, now, spans, rows) for now, (spans, rows) in calls]
+    now, unique_rows = _batch_rows(calls)
+    outcome = d.add_spans_of_many_attempts_in_one_statement(ctx, run_id, now, unique_rows)
+    return _inserted_of_calls(calls, outcome)
+
+
+def plan_spans(
+    run_id: int, calls: Sequence[tuple[float, tuple[Sequence[Span], Sequence[dict[str, Any]]]]]
+) -> Planned[list[Span]] | None:
+    """PostgreSQL: ``add_spans_batch`` as the one statement it runs (``BatchUnit.plan``): a call
+    alone, ``_add_one_group``'s."""
+    _stamp_run(run_id, calls)
+    if len(calls) == 1:
+        ((now, (spans, rows)),) = calls
+        first = spans[0]
+        stmt, params = d.span_ingest_statement(run_id, now, first.rollout_id, first.attempt_id, _group_rows(spans, rows))
+        return Planned(stmt, params, lambda result, _events: [_inserted_of_group(spans, d.span_ingest_outcome(result))])
+    now, unique_rows = _batch_rows(calls)
+    stmt, params = d.span_ingest_many_statement(run_id, now, unique_rows)
+    return Planned(stmt, params, lambda result, _events: _inserted_of_calls(calls, d.span_ingest_many_outcome(result)))
+
+
+def _stamp_run(run_id: int, calls: Sequence[tuple[float, tuple[Sequence[Span], Sequence[dict[str, Any]]]]]) -> None:
+    """Set the run id of the calls' rows (encoded before the run was known)."""
     for _now, (_spans, rows) in calls:
         if rows[0]["run_id"] != run_id:
             for row in rows:
                 row["run_id"] = run_id
-    if len(calls) == 1 or not d.ingests_spans_in_one_statement(ctx):
-        return [add_spans(ctx, run_id, now, spans, rows) for now, (spans, rows) in calls]
+
+
+def _batch_rows(
+    calls: Sequence[tuple[float, tuple[Sequence[Span], Sequence[dict[str, Any]]]]],
+) -> tuple[float, list[dict[str, Any]]]:
+    """The batch's heartbeat time (its latest call's) and its rows, a span key's first only."""
     unique_rows: list[dict[str, Any]] = []
     seen: set[tuple[str, str, str]] = set()
     for _now, (spans, rows) in calls:
@@ -309,8 +386,15 @@ def add_spans_batch(
             if key not in seen:
                 seen.add(key)
                 unique_rows.append(row)
-    now = max(now for now, _args in calls)
-    found, inserted_keys = d.add_spans_of_many_attempts_in_one_statement(ctx, run_id, now, unique_rows)
+    return max(now for now, _args in calls), unique_rows
+
+
+def _inserted_of_calls(
+    calls: Sequence[tuple[float, tuple[Sequence[Span], Sequence[dict[str, Any]]]]],
+    outcome: tuple[bool, set[tuple[str, str, str]]],
+) -> list[list[Span]]:
+    """Each call's inserted spans, from the batch statement's outcome (found, keys inserted)."""
+    found, inserted_keys = outcome
     if not found:
         raise ValueError("a rollout or attempt of the batch is missing: its calls run alone")
     out: list[list[Span]] = []
@@ -363,16 +447,29 @@ def _add_one_group(
     """``add_spans`` for one (rollout, attempt) as one statement (``dialect.add_spans_in_one_statement``,
     PostgreSQL).  Same outcome as the plain steps: the same errors (and nothing written), the same
     duplicates skipped and logged, the inserted spans in input order."""
+    first = spans[0]
+    outcome = d.add_spans_in_one_statement(
+        ctx, run_id, now, first.rollout_id, first.attempt_id, _group_rows(spans, rows)
+    )
+    return _inserted_of_group(spans, outcome)
+
+
+def _group_rows(spans: Sequence[Span], rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of one group's spans, a span id's first only (repeats in a batch are duplicates too)."""
     unique_rows: list[dict[str, Any]] = []
     seen: set[str] = set()
     for span, row in zip(spans, rows, strict=True):
-        if span.span_id not in seen:  # repeats inside the batch are duplicates too; keep the first
+        if span.span_id not in seen:
             seen.add(span.span_id)
             unique_rows.append(row)
+    return unique_rows
+
+
+def _inserted_of_group(spans: Sequence[Span], outcome: tuple[bool, bool, set[str]]) -> list[Span]:
+    """One group's inserted spans in input order, from its statement's outcome (rollout found,
+    attempt found, the span ids inserted); raises for a missing rollout or attempt."""
+    rollout_found, attempt_found, inserted_ids = outcome
     first = spans[0]
-    rollout_found, attempt_found, inserted_ids = d.add_spans_in_one_statement(
-        ctx, run_id, now, first.rollout_id, first.attempt_id, unique_rows
-    )
     if not rollout_found:
         raise ValueError(f"Rollout {first.rollout_id} not found")
     if not attempt_found:

@@ -232,6 +232,7 @@ class SqlLightningStore(StoreInstance, LightningStore):
             sweeps=True,
             autocommit=True,  # each statement of a claim is atomic and replay-safe (ro.claim)
             atomic_batch=True,  # a batch too: one statement on PostgreSQL (ro.claim_batch)
+            plan=ro.plan_claims,
         )
 
     async def start_attempt(self, rollout_id: str, worker_id: str | None = None) -> AttemptedRollout:
@@ -334,6 +335,7 @@ class SqlLightningStore(StoreInstance, LightningStore):
             (rollout_id, attempt_id, changes),
             sweeps=True,
             max_batch=ro.UPDATE_BATCH_MAX,
+            plan=functools.partial(ro.plan_attempt_updates, self._notify_channel),
         )
         if ro.fits_one_statement(attempt_id, changes):
             # PostgreSQL: alone, one statement without a transaction, unless it finds nothing to write.
@@ -567,6 +569,7 @@ class SqlLightningStore(StoreInstance, LightningStore):
                 autocommit=True,
                 atomic_batch=True,
                 max_batch=span_units.BATCH_MAX_SPANS,
+                plan=span_units.plan_spans,
             )
 
         def unit(ctx: UnitContext, run_id: int, now: float) -> list[Span]:
@@ -621,6 +624,7 @@ class SqlLightningStore(StoreInstance, LightningStore):
             pairs,
             autocommit=len({rid for rid, _aid in pairs}) == 1,  # one statement (reserve_sequence_ids)
             atomic_batch=True,
+            plan=span_units.plan_sequence_ids,
         )
 
     async def query_spans(
