@@ -40,6 +40,7 @@ __all__ = [
     "MAX_ID_CHARS",
     "encode_json",
     "check_json",
+    "json_text",
     "check_text",
     "is_storable_text",
 ]
@@ -213,11 +214,17 @@ def encode_json(value: Any, field: str, *, allow_models: bool = False) -> str | 
     if allow_models and isinstance(value, BaseModel):
         value = value.model_dump(mode="json")
     check_json(value, field, allow_models=allow_models)
+    return json_text(value, field, allow_models=allow_models)
+
+
+def json_text(value: Any, field: str, *, allow_models: bool = False) -> str:
+    """The compact JSON text of a value that ``check_json`` passed (or whose every leaf the caller
+    checked as it would); raises ``ValueError`` naming ``field`` when it exceeds ``MAX_JSON_BYTES``."""
     text: str | None = None
     if orjson is not None:
-        # ~10x faster than json.dumps on span attributes; the walk above already refused what
-        # orjson would accept differently (NaN, non-str keys, depth).  Integers beyond 64 bits
-        # make it raise TypeError: the standard encoder below takes those.
+        # ~10x faster than json.dumps on span attributes; the walk already refused what orjson
+        # would accept differently (NaN, non-str keys, depth).  Integers beyond 64 bits make it
+        # raise TypeError: the standard encoder below takes those.
         try:
             text = orjson.dumps(value, default=_model_default if allow_models else None).decode()
         except TypeError:
@@ -233,9 +240,7 @@ def encode_json(value: Any, field: str, *, allow_models: bool = False) -> str | 
     if len(text) > _SAFE_CHARS:
         size = len(text.encode("utf-8"))
         if size > MAX_JSON_BYTES:
-            raise ValueError(
-                f"{field}: encoded size {size} bytes exceeds the limit of {MAX_JSON_BYTES} bytes"
-            )
+            raise ValueError(f"{field}: encoded size {size} bytes exceeds the limit of {MAX_JSON_BYTES} bytes")
     return text
 
 

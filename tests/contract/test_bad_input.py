@@ -15,6 +15,7 @@ from sqlalchemy import func, select
 
 from lightning_sql import LLM, EnqueueRolloutRequest
 from lightning_sql.store.sql import schema as s
+from lightning_sql.types import Span, SpanContext, TraceStatus
 from tests.contract.test_spans import make_span
 
 TABLES = [s.runs, s.rollouts, s.attempts, s.spans, s.resources, s.resource_versions, s.workers]
@@ -55,6 +56,24 @@ async def _populated(store):
     await store.update_resources("res", {"llm": LLM(endpoint="http://x", model="m")})
     await store.update_worker("w1", heartbeat_stats={"ok": True})
     return ar, queued
+
+
+def _context(*, raw: bool = False, **fields: Any) -> SpanContext:
+    """A span context with ``fields`` over plain ones; ``raw``: set after validation (as a caller
+    that changes a model's field does)."""
+    values = {"trace_id": "0" * 32, "span_id": "1" * 16, "is_remote": False, "trace_state": {}}
+    if not raw:
+        return SpanContext(**{**values, **fields})
+    context = SpanContext(**values)
+    for name, value in fields.items():
+        setattr(context, name, value)
+    return context
+
+
+def _with(span: Span, **fields: Any) -> Span:
+    for name, value in fields.items():
+        setattr(span, name, value)
+    return span
 
 
 def _bad_calls(store, ar, queued) -> list[tuple[str, Callable[[], Awaitable[Any]], type[Exception], str]]:
@@ -109,6 +128,31 @@ def _bad_calls(store, ar, queued) -> list[tuple[str, Callable[[], Awaitable[Any]
             lambda: store.add_many_spans([make_span(rid, aid, 2), make_span(rid, aid, 3, x=float("inf"))]),
             ValueError,
             "x",
+        ),
+        # the span's status, context and parent (the extra column: every leaf checked)
+        (
+            "span status description",
+            lambda: store.add_many_spans([_with(make_span(rid, aid, 2), status=TraceStatus(status_code="ERROR", description="a\x00b"))]),
+            ValueError,
+            "span.extra['status']['description']",
+        ),
+        (
+            "span trace state",
+            lambda: store.add_many_spans([_with(make_span(rid, aid, 2), context=_context(trace_state={"k": "\ud800"}))]),
+            ValueError,
+            "span.extra['context']['trace_state']['k']",
+        ),
+        (
+            "span trace state changed after validation",
+            lambda: store.add_many_spans([_with(make_span(rid, aid, 2), context=_context(trace_state={"k": {1}}, raw=True))]),
+            TypeError,
+            "span.extra['context']['trace_state']['k']",
+        ),
+        (
+            "span parent",
+            lambda: store.add_many_spans([_with(make_span(rid, aid, 2), parent=_context(span_id="p\x00"))]),
+            ValueError,
+            "span.extra['parent']['span_id']",
         ),
         # invalid status / literals
         ("rollout status", lambda: store.update_rollout(qid, status="bogus"), ValueError, "status"),

@@ -36,7 +36,7 @@ from lightning_sql.types import (
     check_text,
     encode_json,
 )
-from lightning_sql.types.jsonvalue import MAX_ID_CHARS
+from lightning_sql.types.jsonvalue import MAX_ID_CHARS, json_text
 
 ROLLOUT_COLUMNS = [c for c in s.rollouts.c if c.name not in ("run_id", "queue_seq", "span_seq", "attempt_count")]
 ATTEMPT_COLUMNS = [c for c in s.attempts.c if c.name != "run_id"]
@@ -376,6 +376,53 @@ def _dumped(model: Any, cls: type[BaseModel]) -> Any:
     return model.model_dump()
 
 
+_EMPTY_LIST_JSON = EncodedJson("[]")
+
+
+def _plain_text(value: Any) -> bool:
+    """A str that ``check_text`` passes without looking further (ASCII, no NUL)."""
+    return type(value) is str and value.isascii() and "\x00" not in value
+
+
+def _plain_status(status: Any) -> bool:
+    return (
+        type(status) is TraceStatus
+        and not status.__pydantic_extra__
+        and _plain_text(status.status_code)
+        and (status.description is None or _plain_text(status.description))
+    )
+
+
+def _plain_context(context: Any) -> bool:
+    """None, or a ``SpanContext`` of plain texts (its trace state too), without extras."""
+    return context is None or (
+        type(context) is SpanContext
+        and not context.__pydantic_extra__
+        and _plain_text(context.trace_id)
+        and _plain_text(context.span_id)
+        and type(context.is_remote) is bool
+        and type(context.trace_state) is dict
+        and all(_plain_text(key) and _plain_text(value) for key, value in context.trace_state.items())
+    )
+
+
+def _extra_json(span: Span) -> EncodedJson | None:
+    """The ``extra`` column of a span: its status, context and parent, and its extra fields.  When
+    every leaf of the first three is checked here (what a tracer's spans hold: plain texts, a
+    bool) and there are no extra fields, it is encoded without the walk of ``encode_json``."""
+    status, context, parent = span.status, span.context, span.parent
+    extra: dict[str, Any] = {
+        "status": _dumped(status, TraceStatus),
+        "context": _dumped(context, SpanContext),
+        "parent": _dumped(parent, SpanContext),
+    }
+    if span.model_extra:
+        extra.update(span.model_extra)
+    elif _plain_status(status) and _plain_context(context) and _plain_context(parent):
+        return EncodedJson(json_text(extra, "span.extra"))
+    return encoded(extra, "span.extra")
+
+
 def span_values(span: Span, run_id: int) -> dict[str, Any]:
     """The row of one span; raises ``TypeError``/``ValueError`` for values JSON cannot hold (§0.4)."""
     _checked_id(span.rollout_id, "span.rollout_id")
@@ -385,13 +432,7 @@ def span_values(span: Span, run_id: int) -> dict[str, Any]:
     check_text(span.name, "span.name", max_chars=None)
     if span.parent_id is not None:
         _checked_id(span.parent_id, "span.parent_id")
-    extra: dict[str, Any] = {
-        "status": _dumped(span.status, TraceStatus),
-        "context": _dumped(span.context, SpanContext),
-        "parent": _dumped(span.parent, SpanContext),
-    }
-    if span.model_extra:
-        extra.update(span.model_extra)
+    events, links = span.events, span.links
     return {
         "run_id": run_id,
         "rollout_id": span.rollout_id,
@@ -405,10 +446,10 @@ def span_values(span: Span, run_id: int) -> dict[str, Any]:
         "start_time": span.start_time,
         "end_time": span.end_time,
         "attributes": encoded(span.attributes, "span.attributes"),
-        "events": encoded([e.model_dump() for e in span.events], "span.events"),
-        "links": encoded([link.model_dump() for link in span.links], "span.links"),
+        "events": _EMPTY_LIST_JSON if events == [] else encoded([e.model_dump() for e in events], "span.events"),
+        "links": _EMPTY_LIST_JSON if links == [] else encoded([link.model_dump() for link in links], "span.links"),
         "resource": encoded(_dumped(span.resource, OtelResource), "span.resource"),
-        "extra": encoded(extra, "span.extra"),
+        "extra": _extra_json(span),
     }
 
 
