@@ -246,8 +246,8 @@ def claim_many_statement(
 ) -> tuple[Any, dict[str, Any]]:
     """PostgreSQL: the statement (and its parameters) of ``claim_in_one_statement`` for the
     attempts of several calls, each attempt with its own worker id and start time (the i-th picked
-    rollout gets the i-th attempt).  Rows in queue order, as there.  Without ``workers`` it leaves the worker rows to the caller (who writes them
-    in call order); with them the statement writes them too, what ``rollouts._worker_write`` does
+    rollout gets the i-th attempt).  Rows in queue order, as there.  Without ``workers`` it leaves
+    the worker rows to the caller (who writes them in call order); with them the statement writes them too, what ``rollouts._worker_write`` does
     for each call: busy on its last claimed rollout (an empty worker id: nothing), or idle when it
     claimed none.  The workers must be distinct (one statement writes a row once)."""
     columns = tuple(c.name for c in returning)
@@ -1057,15 +1057,15 @@ def named_attempts(ctx: UnitContext, keys: Sequence[tuple[int, str, str]]) -> Co
     )
 
 
-def update_attempt_in_one_statement(
-    ctx: UnitContext,
+def update_attempt_statement(
     run_id: int,
     rollout_id: str,
     attempt_id: str,
     attempt_values: dict[str, Any],
     rollout_values: dict[str, Any],
     worker_values: dict[str, Any],
-) -> tuple[Any, bool] | None:
+    channel: str,
+) -> tuple[Any, dict[str, Any]]:
     """One ``update_attempt`` whose rollout status follows its attempt's one to one (PostgreSQL, a
     unit without a transaction): ONE statement locks the rollout, then its attempt ``attempt_id``
     (as ``lock_rollout_and_attempt``), and writes, from what it locked:
@@ -1077,26 +1077,8 @@ def update_attempt_in_one_statement(
       notified (``<run_id>:finished``);
     * ``worker_values`` into the row of the attempt's worker, when it has one (an upsert).
 
-    Returns (the attempt's row as written, whether the rollout's row was written), or None, having
-    written nothing, when the rollout or the attempt does not exist."""
-    assert ctx.dialect == "postgresql"
-    stmt, params = update_attempt_statement(
-        run_id, rollout_id, attempt_id, attempt_values, rollout_values, worker_values, ctx.notify_channel
-    )
-    return update_attempt_outcome(ctx.execute(stmt, params).all())
-
-
-def update_attempt_statement(
-    run_id: int,
-    rollout_id: str,
-    attempt_id: str,
-    attempt_values: dict[str, Any],
-    rollout_values: dict[str, Any],
-    worker_values: dict[str, Any],
-    channel: str,
-) -> tuple[Any, dict[str, Any]]:
-    """``update_attempt_in_one_statement``'s statement and parameters (``channel``: the NOTIFY
-    channel of the store's schema, ``UnitContext.notify_channel``)."""
+    Its statement and parameters (``channel``: the NOTIFY channel of the store's schema,
+    ``UnitContext.notify_channel``); ``update_attempt_outcome`` reads its rows."""
     finished = "end_time" in rollout_values
     key = ("update_attempt_in_one_statement", tuple(attempt_values), finished, tuple(worker_values))
     stmt = cached(key, lambda: _update_attempt_statement(tuple(attempt_values), finished, tuple(worker_values)))
@@ -1111,7 +1093,9 @@ def update_attempt_statement(
 
 
 def update_attempt_outcome(rows: Sequence[Any]) -> tuple[Any, bool] | None:
-    """``update_attempt_in_one_statement``'s outcome from its statement's rows."""
+    """``update_attempt_statement``'s outcome from its rows: (the attempt's row as written, whether
+    the rollout's row was written), or None, having written nothing, when the rollout or the
+    attempt does not exist."""
     if not rows:
         return None
     return rows[0], bool(rows[0].rollout_written)
@@ -1173,7 +1157,7 @@ def _update_attempt_statement(attempt_cols: tuple[str, ...], finished: bool, wor
 
 @dataclass(frozen=True)
 class OneStatementUpdate:
-    """A call of ``update_attempts_in_one_statement``: its rollout and concrete attempt, its ``now``,
+    """A call of ``update_attempts_statement``: its rollout and concrete attempt, its ``now``,
     the status it sets (``rollouts.fits_one_statement``) and, when it sets them, the heartbeat and
     the metadata (encoded JSON, or None)."""
 
@@ -1185,28 +1169,16 @@ class OneStatementUpdate:
     metadata: tuple[bool, str | None] = (False, None)
 
 
-def update_attempts_in_one_statement(
-    ctx: UnitContext, run_id: int, calls: Sequence[OneStatementUpdate]
-) -> list[tuple[Any, bool]] | None:
-    """PostgreSQL: ``update_attempt_in_one_statement`` for calls of distinct rollouts at once, in
+def update_attempts_statement(
+    run_id: int, calls: Sequence[OneStatementUpdate], channel: str
+) -> tuple[Any, dict[str, Any]]:
+    """PostgreSQL: ``update_attempt_statement`` for calls of distinct rollouts at once, in
     ONE statement (a batch without a transaction): it locks their rollouts in ``rollout_id`` order,
     each attempt after its rollout (as ``lock_rollouts_and_attempts``), and writes what the form of
     one call writes, for each call with its own values: its attempt, its rollout (its latest
     attempt's, neither cancelled nor in that status already), its attempt's worker's row, and one
-    ``<run_id>:finished`` notification when a rollout finished.  Returns each call's (attempt row as
-    written, whether its rollout row was written), in call order; or None, having written nothing,
-    when a rollout or an attempt does not exist or two of the attempts have one worker (whose row
-    the calls write in call order, merged: the transaction does that)."""
-    assert ctx.dialect == "postgresql"
-    stmt, params = update_attempts_statement(run_id, calls, ctx.notify_channel)
-    return update_attempts_outcome(list(ctx.execute(stmt, params)), len(calls))
-
-
-def update_attempts_statement(
-    run_id: int, calls: Sequence[OneStatementUpdate], channel: str
-) -> tuple[Any, dict[str, Any]]:
-    """``update_attempts_in_one_statement``'s statement and parameters (``channel``: as
-    ``update_attempt_statement``'s)."""
+    ``<run_id>:finished`` notification when a rollout finished.  Its statement and parameters
+    (``channel``: as ``update_attempt_statement``'s); ``update_attempts_outcome`` reads its rows."""
     stmt = cached("update_attempts_in_one_statement", _update_attempts_statement)
     params: dict[str, Any] = {
         "ua_run_id": run_id,
@@ -1226,7 +1198,10 @@ def update_attempts_statement(
 
 
 def update_attempts_outcome(rows: Sequence[Any], count: int) -> list[tuple[Any, bool]] | None:
-    """``update_attempts_in_one_statement``'s outcome from its statement's rows (``count`` calls)."""
+    """``update_attempts_statement``'s outcome from its rows (``count`` calls): each call's (attempt
+    row as written, whether its rollout row was written), in call order; or None, having written
+    nothing, when a rollout or an attempt does not exist or two of the attempts have one worker
+    (whose row the calls write in call order, merged: the transaction does that)."""
     if len(rows) < count:
         return None
     return [(row, bool(row.rollout_written)) for row in rows]

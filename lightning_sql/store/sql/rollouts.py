@@ -871,7 +871,7 @@ def _update_attempt_in_one_statement(
     ctx: UnitContext, run_id: int, now: float, rollout_id: str, attempt_id: str, changes: dict[str, Any]
 ) -> Attempt:
     """``update_attempt`` as ONE statement that locks and writes what ``_attempt_writes`` decides
-    (``dialect.update_attempt_in_one_statement``), for a call that ``fits_one_statement``."""
+    (``dialect.update_attempt_statement``), for a call that ``fits_one_statement``."""
     stmt, params, outcome = _one_update(run_id, now, rollout_id, attempt_id, changes, ctx.notify_channel)
     events: set[tuple[int, str]] = set()
     attempt = outcome(ctx.execute(stmt, params).all(), events)
@@ -918,7 +918,7 @@ def _update_attempts_in_one_statement(
     ctx: UnitContext, run_id: int, calls: Sequence[tuple[float, tuple[str, str, dict[str, Any]]]]
 ) -> list[Attempt]:
     """A batch of ``update_attempt`` calls that each ``fits_one_statement``, of distinct rollouts, as
-    ONE statement (``dialect.update_attempts_in_one_statement``); anything else, and a batch that
+    ONE statement (``dialect.update_attempts_statement``); anything else, and a batch that
     finds a call's rollout or attempt missing or two attempts of one worker, raises
     ``NeedsTransaction`` before it writes anything (the batch then runs in a transaction)."""
     updates = _one_statement_updates(calls)
