@@ -539,7 +539,8 @@ class StoreInstance:
                 results = planned.results(rows, events)
             except Exception as exc:  # noqa: BLE001 - the unit's own outcome, as its unit gives it
                 if one:
-                    items[0][1].set_exception(exc)
+                    if not items[0][1].done():
+                        items[0][1].set_exception(exc)
                 elif isinstance(exc, NeedsTransaction):
                     start(False)  # it wrote nothing: the same batch in a transaction
                 else:  # the batch's own error, its statement atomic: each unit alone, for its own
