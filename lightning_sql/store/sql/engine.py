@@ -1822,8 +1822,8 @@ class _HomeEngine:
         try:
             if conn is None:
                 conn = self._pinned = await self._connect()
-            elif self.ping_after_rest and time.monotonic() - self._pinned_used >= PG_PRE_PING_IDLE_S:
-                await conn.connection.dbapi_connection._async_ping()  # type: ignore[union-attr]
+            else:
+                await self._ping_if_rested(conn, self._pinned_used)
             rows = await fastexec.fetch_prebuilt(conn, stmt, params)
             if rows is not None:
                 self._pinned_used = time.monotonic()
@@ -1859,8 +1859,7 @@ class _HomeEngine:
             if self._writers:
                 conn, used = self._writers.pop()
                 self._writing.add(conn)
-                if self.ping_after_rest and time.monotonic() - used >= PG_PRE_PING_IDLE_S:
-                    await conn.connection.dbapi_connection._async_ping()  # type: ignore[union-attr]
+                await self._ping_if_rested(conn, used)
             elif len(self._writing) < PG_DIRECT_WRITERS:
                 conn = await self._connect(self.writer)
                 self._writing.add(conn)
@@ -1884,6 +1883,12 @@ class _HomeEngine:
         else:
             self._writers.append((conn, time.monotonic()))
         return rows
+
+    async def _ping_if_rested(self, conn: Connection, used: float) -> None:
+        """Ping a kept connection whose last statement ran ``PG_PRE_PING_IDLE_S`` or more ago (at
+        ``used``, ``time.monotonic()``), as a checkout would (unless ``pool_pre_ping=False``)."""
+        if self.ping_after_rest and time.monotonic() - used >= PG_PRE_PING_IDLE_S:
+            await conn.connection.dbapi_connection._async_ping()  # type: ignore[union-attr]
 
     def _drop_writer(self, conn: Connection | None) -> None:
         if conn is not None:

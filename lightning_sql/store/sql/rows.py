@@ -362,8 +362,13 @@ _SPAN_COLUMN_FIELDS = (
 
 def _checked_id(value: Any, field: str) -> None:
     """``check_text(value, field)``, with plain ASCII ids (nearly all) settled inline."""
-    if type(value) is not str or len(value) > MAX_ID_CHARS or "\x00" in value or not value.isascii():
+    if not _plain_text(value) or len(value) > MAX_ID_CHARS:
         check_text(value, field)
+
+
+def _plain_text(value: Any) -> bool:
+    """A str that ``check_text`` passes without looking further (ASCII, no NUL), whatever its length."""
+    return type(value) is str and value.isascii() and "\x00" not in value
 
 
 def _dumped(model: Any, cls: type[BaseModel]) -> Any:
@@ -377,11 +382,6 @@ def _dumped(model: Any, cls: type[BaseModel]) -> Any:
 
 
 _EMPTY_LIST_JSON = EncodedJson("[]")
-
-
-def _plain_text(value: Any) -> bool:
-    """A str that ``check_text`` passes without looking further (ASCII, no NUL)."""
-    return type(value) is str and value.isascii() and "\x00" not in value
 
 
 def _plain_status(status: Any) -> bool:
