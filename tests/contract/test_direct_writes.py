@@ -11,6 +11,7 @@ PostgreSQL run on the home loop, through it.)"""
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -232,14 +233,26 @@ async def test_writes_beyond_the_kept_connections_run_their_units(store: Any, mo
     assert len(home._writers) + len(home._writing) == 1 and home.writer.sync_engine.pool.checkedout() == 1
 
 
-async def test_a_finished_rollout_wakes_a_waiter_of_this_process(store: Any) -> None:
-    """The statement notifies the other processes; a waiter of this one is woken at once."""
+async def test_a_finished_rollout_wakes_a_waiter_of_this_process(store: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The statement notifies the other processes (LISTEN/NOTIFY); the direct write itself wakes a
+    waiter of this one (as a unit's commit does), without waiting for its own notification."""
     await store.enqueue_rollout({"i": 0})
     claimed = await store.dequeue_rollout(worker_id="w1")
+    hub = store._worker.hub
+    woken_here: list[int] = []
+    wake = hub.wake
+
+    def recorded(run_id: int | None = None) -> None:
+        if any(frame.function == "settle_direct" for frame in inspect.stack(0)):
+            woken_here.append(run_id)
+        wake(run_id)
+
+    monkeypatch.setattr(hub, "wake", recorded)
     waiter = asyncio.ensure_future(store.wait_for_rollouts(rollout_ids=[claimed.rollout_id], timeout=60))
     await asyncio.sleep(0.2)
     assert not waiter.done()
     await store.update_attempt(claimed.rollout_id, claimed.attempt.attempt_id, status="succeeded")
+    assert woken_here == [store._run_id]
     done = await asyncio.wait_for(waiter, 20)  # generous: it separates a wake-up from the timeout
     assert [r.status for r in done] == ["succeeded"]
 
