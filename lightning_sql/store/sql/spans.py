@@ -67,6 +67,20 @@ def _counts(pairs: Sequence[tuple[str, str]], into: dict[str, int] | None = None
     return counts
 
 
+def _counts_of_calls(calls: Sequence[tuple[float, Sequence[tuple[str, str]]]]) -> dict[str, int]:
+    """How many ids each rollout takes over all the calls' pairs, in order of first use."""
+    counts: dict[str, int] = {}
+    for _now, pairs in calls:
+        _counts(pairs, counts)
+    return counts
+
+
+def _bump_one(run_id: int, rollout_id: str, count: int) -> tuple[Any, dict[str, Any]]:
+    """The statement (and its parameters) that moves one rollout's span counter by ``count``."""
+    params = {"s_run_id": run_id, "s_rollout_id": rollout_id, "s_count": count}
+    return cached("span_bump_counter", _bump_counter), params
+
+
 def _bump_counter() -> Any:
     return (
         update(R)
@@ -94,8 +108,7 @@ def reserve_sequence_ids(ctx: UnitContext, run_id: int, pairs: Sequence[tuple[st
     counts = _counts(pairs)
     if len(counts) == 1:
         ((rid, count),) = counts.items()
-        params = {"s_run_id": run_id, "s_rollout_id": rid, "s_count": count}
-        end = ctx.execute(cached("span_bump_counter", _bump_counter), params).scalar_one_or_none()
+        end = ctx.execute(*_bump_one(run_id, rid, count)).scalar_one_or_none()
         return _ids_of_one_rollout(rid, count, end)
     locked = _lock_rollouts(ctx, run_id, list(counts))
     for rid in counts:
@@ -124,9 +137,7 @@ def reserve_sequence_ids_batch(
     One call: ``reserve_sequence_ids``."""
     if len(calls) == 1:
         return [reserve_sequence_ids(ctx, run_id, pairs) for _now, pairs in calls]
-    counts: dict[str, int] = {}
-    for _now, pairs in calls:
-        _counts(pairs, counts)
+    counts = _counts_of_calls(calls)
     return _ids_of_calls(calls, counts, _bump_counters(ctx, run_id, counts))
 
 
@@ -159,15 +170,11 @@ def plan_sequence_ids(
         if len(counts) != 1:
             return None
         ((rid, count),) = counts.items()
-        params = {"s_run_id": run_id, "s_rollout_id": rid, "s_count": count}
+        stmt, params = _bump_one(run_id, rid, count)
         return Planned(
-            cached("span_bump_counter", _bump_counter),
-            params,
-            lambda rows, _events: [_ids_of_one_rollout(rid, count, rows[0][0] if rows else None)],
+            stmt, params, lambda rows, _events: [_ids_of_one_rollout(rid, count, rows[0][0] if rows else None)]
         )
-    counts = {}
-    for _now, pairs in calls:
-        _counts(pairs, counts)
+    counts = _counts_of_calls(calls)
     stmt, params = _bump_counters_statement(run_id, counts, "postgresql")
     return Planned(
         stmt, params, lambda rows, _events: _ids_of_calls(calls, counts, {row[0]: int(row[1]) for row in rows})
