@@ -371,6 +371,18 @@ def test_span_values_encode_what_model_dump_gives() -> None:
     assert '"tag":"t"' in str(rows_module.span_values(rich, 1)["extra"])
 
 
+def test_span_rows_are_not_tracked_by_the_collector() -> None:
+    """A span's row holds plain ``str`` JSON texts (no ``EncodedJson``, a tracked object), so the row
+    itself is a dict the collector does not track: rows wait in batches for their statement, and
+    every tracked object there lengthened each young collection of the caller's process."""
+    span = make_span("r", "a", 1, extra_field={"n": [1]})
+    span.events = [Event(name="e", attributes={"a": 1})]
+    for candidate in (span, make_span("r", "a", 2)):
+        row = rows_module.span_values(candidate, 1)
+        assert all(type(row[name]) is str for name in rows_module.SPAN_JSON_FIELDS)
+        assert not gc.is_tracked(row)
+
+
 def test_config_copy_is_a_deep_model_copy() -> None:
     class Custom(RolloutConfig):
         note: str = "n"

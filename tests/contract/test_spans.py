@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 
-from lightning_sql import OtelResource, Span, SpanContext, TraceStatus
+from lightning_sql import Event, Link, OtelResource, Span, SpanContext, TraceStatus
 
 DUP = "Duplicated span added for rollout={rid}, attempt={aid}, span={sid}. Skipping."
 
@@ -259,6 +259,40 @@ async def test_add_many_spans_groups_counters_and_heartbeats(store, clock):
         for att in await store.query_attempts(rid):
             assert att.status == "running" and att.last_heartbeat_time == clock()
     assert await store.add_many_spans([]) == []
+
+
+async def test_every_span_write_path_stores_the_json_columns_as_written(store):
+    """Spans of one attempt (the one-statement path on PostgreSQL), of several attempts in one call
+    and of three or more (the look-up and ``executemany`` path on SQLite) read back equal to the
+    written ones: each path encodes every JSON column once (a text encoded twice reads back as a
+    JSON string)."""
+    rid1, a1 = await _started(store)
+    rid2, a2 = await _started(store)
+
+    def rich(rid: str, aid: str, seq: int) -> Span:
+        span = make_span(
+            rid,
+            aid,
+            seq,
+            attributes={"k": ["a", "b"], "n": 3, "s": "t"},
+            extra_field={"n": [seq, {"x": "y"}]},
+        )
+        return span.model_copy(
+            update={
+                "status": TraceStatus(status_code="ERROR", description="boom"),
+                "events": [Event(name="e", attributes={"a": 1}, timestamp=1.5)],
+                "links": [Link(context=span.context, attributes={"b": "c"})],
+            }
+        )
+
+    one = [rich(rid1, a1, 1)]
+    several = [rich(rid1, a1, 2), rich(rid2, a2, 1), rich(rid1, a1, 3), rich(rid2, a2, 2)]
+    assert await store.add_span(one[0]) is one[0]
+    assert len(await store.add_many_spans(several)) == 4
+    assert list(await store.query_spans(rid1)) == [one[0], several[0], several[2]]
+    assert list(await store.query_spans(rid2)) == [several[1], several[3]]
+    for got in (*await store.query_spans(rid1), *await store.query_spans(rid2)):
+        assert isinstance(got.attributes, dict) and isinstance(got.events[0].attributes, dict)
 
 
 async def test_add_many_spans_is_all_or_nothing(store):

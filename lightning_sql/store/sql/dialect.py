@@ -53,8 +53,9 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, array_agg
 
 from lightning_sql.store.sql import schema as s
-from lightning_sql.store.sql.engine import UnitContext
+from lightning_sql.store.sql.engine import EncodedJson, UnitContext
 from lightning_sql.store.sql.fastexec import make_row_class
+from lightning_sql.store.sql.rows import SPAN_JSON_FIELDS
 from lightning_sql.store.sql.statements import cached, prebuilt
 from lightning_sql.types import FINISHED_STATUSES, QUEUED_STATUSES
 
@@ -451,6 +452,7 @@ def insert_new_spans(
     """
     keys = [(row["rollout_id"], row["attempt_id"], row["span_id"]) for row in rows]
     S = s.spans
+    rows = _json_marked(rows)  # the statements below bind the JSON columns through the serializer
     if ctx.dialect == "postgresql" or len(rows) <= 2:  # SQLite: a row or two are as cheap this way
         stmt = cached(
             ("span_insert_returning", ctx.dialect),
@@ -487,6 +489,21 @@ def insert_new_spans(
     return {key for key in keys if key not in existing}
 
 
+def _json_marked(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Span rows (``rows.span_values``: JSON texts as plain ``str``) with their JSON texts marked
+    as encoded (``EncodedJson``), for a statement whose JSON columns take the engine's serializer
+    (which would encode a plain ``str`` again, as a JSON string)."""
+    marked = []
+    for row in rows:
+        row = row.copy()
+        for name in SPAN_JSON_FIELDS:
+            text = row[name]
+            if text is not None:
+                row[name] = EncodedJson(text)
+        marked.append(row)
+    return marked
+
+
 # Span columns the one-statement ingest binds as arrays (run, rollout and attempt are scalars).
 _SPAN_ARRAY_COLUMNS: tuple[tuple[str, Any], ...] = (
     ("sequence_id", postgresql.BIGINT),
@@ -503,7 +520,7 @@ _SPAN_ARRAY_COLUMNS: tuple[tuple[str, Any], ...] = (
     ("resource", Text),
     ("extra", Text),
 )
-_SPAN_JSON_COLUMNS = frozenset({"attributes", "events", "links", "resource", "extra"})
+_SPAN_JSON_COLUMNS = frozenset(SPAN_JSON_FIELDS)
 # Rollout statuses a span promotes to ``running`` (spans._heartbeat: preparing and the queued ones).
 _PROMOTED_STATUSES = ("preparing", *QUEUED_STATUSES)
 

@@ -381,7 +381,7 @@ def _dumped(model: Any, cls: type[BaseModel]) -> Any:
     return model.model_dump()
 
 
-_EMPTY_LIST_JSON = EncodedJson("[]")
+_EMPTY_LIST_JSON = "[]"
 
 
 def _plain_status(status: Any) -> bool:
@@ -406,7 +406,7 @@ def _plain_context(context: Any) -> bool:
     )
 
 
-def _extra_json(span: Span) -> EncodedJson | None:
+def _extra_json(span: Span) -> str | None:
     """The ``extra`` column of a span: its status, context and parent, and its extra fields.  When
     every leaf of the first three is checked here (what a tracer's spans hold: plain texts, a
     bool) and there are no extra fields, it is encoded without the walk of ``encode_json``."""
@@ -419,12 +419,16 @@ def _extra_json(span: Span) -> EncodedJson | None:
     if span.model_extra:
         extra.update(span.model_extra)
     elif _plain_status(status) and _plain_context(context) and _plain_context(parent):
-        return EncodedJson(json_text(extra, "span.extra"))
-    return encoded(extra, "span.extra")
+        return json_text(extra, "span.extra")
+    return encode_json(extra, "span.extra")
 
 
 def span_values(span: Span, run_id: int) -> dict[str, Any]:
-    """The row of one span; raises ``TypeError``/``ValueError`` for values JSON cannot hold (§0.4)."""
+    """The row of one span; raises ``TypeError``/``ValueError`` for values JSON cannot hold (§0.4).
+    Its JSON columns are plain ``str`` texts, not ``EncodedJson``: the collector does not track a
+    ``str`` nor a dict that holds only such values, and rows wait in batches, where each tracked
+    object made every young collection longer (``dialect.insert_new_spans`` marks them for the
+    statements whose JSON columns take the engine's serializer)."""
     _checked_id(span.rollout_id, "span.rollout_id")
     _checked_id(span.attempt_id, "span.attempt_id")
     _checked_id(span.trace_id, "span.trace_id")
@@ -445,10 +449,10 @@ def span_values(span: Span, run_id: int) -> dict[str, Any]:
         "status_code": span.status.status_code,
         "start_time": span.start_time,
         "end_time": span.end_time,
-        "attributes": encoded(span.attributes, "span.attributes"),
-        "events": _EMPTY_LIST_JSON if events == [] else encoded([e.model_dump() for e in events], "span.events"),
-        "links": _EMPTY_LIST_JSON if links == [] else encoded([link.model_dump() for link in links], "span.links"),
-        "resource": encoded(_dumped(span.resource, OtelResource), "span.resource"),
+        "attributes": encode_json(span.attributes, "span.attributes"),
+        "events": _EMPTY_LIST_JSON if events == [] else encode_json([e.model_dump() for e in events], "span.events"),
+        "links": _EMPTY_LIST_JSON if links == [] else encode_json([link.model_dump() for link in links], "span.links"),
+        "resource": encode_json(_dumped(span.resource, OtelResource), "span.resource"),
         "extra": _extra_json(span),
     }
 
