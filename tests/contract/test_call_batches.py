@@ -897,3 +897,30 @@ async def test_attempt_update_batches_in_one_statement_do_what_their_transaction
     w6 = workers[-1]
     assert w6[1] == "busy" and w6[2] is not None and w6[4] == 7  # the later call's row, the earlier's idle time
     assert state[8] is None  # the queued rollout left the queue when its latest attempt succeeded
+
+
+async def test_calls_of_a_kind_share_their_units_batch_function_and_plan(store: Any) -> None:
+    """A batchable call's unit takes its batch function and plan bound to the run once per (kind,
+    run) and kept by the instance (``StoreInstance._call_batchable``): a call in flight holds no
+    closures of its own, fewer objects for the collector's young collections to walk."""
+    await _ready(store, 4)
+
+    async def lifecycle() -> None:
+        ar = await store.dequeue_rollout(worker_id="w")
+        rid, aid = ar.rollout_id, ar.attempt.attempt_id
+        seqs = await store.get_many_span_sequence_ids([(rid, aid)] * 2)
+        await store.add_many_spans([make_span(rid, aid, seq) for seq in seqs])
+        await store.update_attempt(rid, aid, status="succeeded")
+
+    await lifecycle()
+    kept = dict(store._batch_calls)
+    assert sorted(run_batch.__name__ for run_batch, _run_id, _plan in kept) == [
+        "add_spans_batch",
+        "claim_batch",
+        "reserve_sequence_ids_batch",
+        "update_attempt_batch",
+    ]
+    for _ in range(3):
+        await lifecycle()
+    assert store._batch_calls.keys() == kept.keys()
+    assert all(store._batch_calls[key] is bound for key, bound in kept.items())

@@ -16,7 +16,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from datetime import datetime
 from typing import Any, Self, TypeVar
 
@@ -176,6 +176,26 @@ def _generated_run_name() -> str:
     return f"run-{datetime.now().strftime('%Y%m%d-%H%M%S')}-{generate_id(4)}"
 
 
+# Batch functions bound to a run that an instance keeps (``_bind_batch``): the store passes module
+# functions and plans of its own, a handful per run; past this (many runs) it starts over.
+_BATCH_CALLS_KEPT = 64
+
+
+def _bind_batch(
+    run_batch: Callable[[UnitContext, int, list[Any]], list[Any]],
+    run_id: int,
+    plan: Callable[[int, list[Any]], Any] | None,
+) -> tuple[Hashable, Callable[[UnitContext, list[Any]], list[Any]], Callable[[list[Any]], Any] | None]:
+    """A ``BatchUnit``'s key, batch function and plan for ``run_batch`` and ``plan`` of one run,
+    made once and kept by the instance: a call's unit then holds no closures of its own (a call in
+    flight is fewer objects for the collector's young collections to walk)."""
+    return (
+        (run_batch, run_id),
+        lambda ctx, many: run_batch(ctx, run_id, many),
+        None if plan is None else lambda many: plan(run_id, many),
+    )
+
+
 class StoreInstance:
     """Options, run binding, clock, I/O hand-off, sweep debounce and lifecycle of one store instance."""
 
@@ -279,6 +299,8 @@ class StoreInstance:
         # them and they end (§4 close releases this instance's waiters).
         self._waits: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
         self._close_count = 0
+        # (batch function, run, plan) -> what ``_bind_batch`` made of them (``_call_batchable``).
+        self._batch_calls: dict[tuple[Any, int, Any], tuple[Hashable, Any, Any]] = {}
         _INSTANCES.add(self)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -303,6 +325,7 @@ class StoreInstance:
                 "_closed",
                 "_waits",
                 "_close_count",
+                "_batch_calls",
             )
         }
         return state
@@ -658,14 +681,13 @@ class StoreInstance:
         if sweeps:
             await self._maybe_sweep(worker, run_id)
         # Units batch with those of the same function and run (dequeue_rollout's with dequeue_many_rollouts').
-        unit = BatchUnit(
-            (run_batch, run_id),
-            (self.now(), args),
-            lambda ctx, many: run_batch(ctx, run_id, many),
-            atomic=atomic_batch,
-            max_batch=max_batch,
-            plan=None if plan is None else lambda many: plan(run_id, many),
-        )
+        bound = self._batch_calls.get((run_batch, run_id, plan))
+        if bound is None:
+            if len(self._batch_calls) >= _BATCH_CALLS_KEPT:
+                self._batch_calls.clear()
+            bound = self._batch_calls[(run_batch, run_id, plan)] = _bind_batch(run_batch, run_id, plan)
+        key, run, planned = bound
+        unit = BatchUnit(key, (self.now(), args), run, atomic=atomic_batch, max_batch=max_batch, plan=planned)
         return await self._submit(worker, unit, write=True, autocommit=autocommit)
 
     def _sweep_due(self) -> bool:

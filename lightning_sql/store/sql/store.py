@@ -293,6 +293,13 @@ class SqlLightningStore(StoreInstance, LightningStore):
             sweeps=True,
         )
 
+    @functools.cached_property
+    def _plan_attempt_updates(self) -> Callable[[int, list[Any]], Any]:
+        """``ro.plan_attempt_updates`` for this store's NOTIFY channel, made once: a batch's plan is
+        kept per (function, run, plan) by ``StoreInstance._call_batchable``, which compares plans
+        by identity."""
+        return functools.partial(ro.plan_attempt_updates, self._notify_channel)
+
     async def update_attempt(
         self,
         rollout_id: str,
@@ -335,7 +342,7 @@ class SqlLightningStore(StoreInstance, LightningStore):
             (rollout_id, attempt_id, changes),
             sweeps=True,
             max_batch=ro.UPDATE_BATCH_MAX,
-            plan=functools.partial(ro.plan_attempt_updates, self._notify_channel),
+            plan=self._plan_attempt_updates,
         )
         if ro.fits_one_statement(attempt_id, changes):
             # PostgreSQL: alone, one statement without a transaction, unless it finds nothing to write.
