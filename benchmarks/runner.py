@@ -19,7 +19,17 @@ from typing import Any
 import psutil
 
 from benchmarks import targets as tg
-from benchmarks.workloads import SIZES, Case, Measurement, RssSampler, Size, cases, median, scaled
+from benchmarks.workloads import (
+    SIZES,
+    Case,
+    CollectorTime,
+    Measurement,
+    RssSampler,
+    Size,
+    cases,
+    median,
+    scaled,
+)
 
 # (workload, case label prefix, target, reference) -> (comparison, goal)
 GOALS: dict[tuple[str, str, str, str], tuple[str, float]] = {
@@ -174,7 +184,7 @@ async def _run_one_settled(case: Case, target_name: str, size: Size, workdir: st
         return m
     open_name = target_name.removeprefix("P0-")
     async with tg.open_target(open_name, workdir) as target:
-        with RssSampler() as rss:
+        with RssSampler() as rss, CollectorTime() as collector:
             if target_name.startswith("P0-"):
                 if case.p0 is None:
                     raise ValueError(f"{case.workload} {case.label} has no P0 run")
@@ -182,6 +192,10 @@ async def _run_one_settled(case: Case, target_name: str, size: Size, workdir: st
             else:
                 m = await case.run(target, size)
     m.metrics["peak_rss_mb"] = rss.peak_mb
+    if case.in_process:
+        # The whole case (its set-up and checks too): what the collector cost the target's process.
+        m.metrics["gc_young_ms"] = collector.young * 1000
+        m.metrics["gc_full_ms"] = collector.full * 1000
     return m
 
 

@@ -15,6 +15,7 @@ from benchmarks.runner import CaseResult, _collector_settled, format_case, run_b
 from benchmarks.workloads import (
     SIZES,
     Case,
+    CollectorTime,
     Measurement,
     check_sequence_ids,
     dequeue_contention,
@@ -111,10 +112,22 @@ async def test_runner_reports_medians_ratios_and_failed_checks() -> None:
     assert ratio is not None and ratio > 0
     assert any("sqlite/P0 =" in line for line in lines)
     assert "note: collector: a full collection before each measurement (outside its timing)" in lines
+    assert all(m.metrics["gc_young_ms"] >= 0 and m.metrics["gc_full_ms"] >= 0 for m in w4_r8.runs["sqlite"])
 
     failing = CaseResult(Case("W1", "fake", lifecycle, ("sqlite",)))
     failing.runs["sqlite"] = [Measurement({"rollouts/s": 1.0}, ["boom"])]
     assert format_case(failing)[0] == "W1 fake"
+
+
+def test_collector_time_counts_young_and_full_collections_apart() -> None:
+    with CollectorTime() as collector:
+        _cyclic_garbage()
+        gc.collect(0)
+        young = collector.young
+        gc.collect()
+    assert young > 0 and collector.young == young and collector.full > 0
+    gc.collect()
+    assert (collector.young, collector.full) == (young, collector.full)  # stopped with its block
 
 
 class _Garbage:
