@@ -225,3 +225,13 @@ async def test_inflight_diagnostic_counts_the_statements_and_restores_the_driver
     assert all(measured.flight.seconds[kind] > 0 for kind in measured.flight.counts)
     lines = inflight.report([measured], 3)
     assert "R=3" in lines[0] and "in flight" in lines[1]
+
+
+async def test_phases_diagnostic_times_each_phase_and_checks_the_claims() -> None:
+    from benchmarks import phases
+
+    measured = await phases.measure("sqlite", runners=3, n=12, spans=3)
+    assert measured.problems == [] and list(measured.phases) == list(phases.PHASES)
+    assert all(p.wall > 0 and p.client >= 0 and p.young_gc >= 0 for p in measured.phases.values())
+    lines = phases.report([measured], 3)
+    assert "R=3" in lines[0] and lines[1].split()[0] == "sqlite" and "read-back" in lines[1]
