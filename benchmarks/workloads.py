@@ -723,7 +723,8 @@ class Case:
     references: tuple[str, ...] = ("B1",)
     # False: the workload opens its stores itself (in child processes); it gets an unopened Target.
     opens_store: bool = True
-    # False: its stores' work runs in child processes (the collector's time of this one means nothing).
+    # False: its stores' work runs in child processes (the collector's time of this one means
+    # nothing). A case that does not open its stores (W8) reports no collector's time either.
     in_process: bool = True
     # What the P0-sqlite / P0-postgres targets of the case run: the raw driver's version of ``run``.
     p0: Callable[[Target, Size], Awaitable[Measurement]] | None = None
@@ -791,11 +792,7 @@ def cases(size: Size) -> dict[str, list[Case]]:
             Case("W7", f"scale-out P={p}", bind(scaleout, processes=p), ("postgres", "B2"), ("B2",), in_process=False)
             for p in size.scaleout_processes
         ],
-        "W8": [
-            Case(
-                "W8", f"memory N={size.memory_n[0]}->{size.memory_n[1]}", memory, (*SQL, "B1"), (), opens_store=False, in_process=False
-            )
-        ],
+        "W8": [Case("W8", f"memory N={size.memory_n[0]}->{size.memory_n[1]}", memory, (*SQL, "B1"), (), opens_store=False)],
     }
     return out
 
