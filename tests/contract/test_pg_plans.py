@@ -186,40 +186,6 @@ async def test_a_sweep_rechecks_the_attempts_it_times_out_by_key(pg_backend: Bac
         await store.close()
 
 
-@pytest.mark.parametrize("limit", [-1, 10])
-async def test_a_page_of_spans_reads_the_index_in_its_order(pg_backend: BackendSpec, limit: int) -> None:
-    """``query_spans``' default order, ``sequence_id`` with ties in insertion order (``id``), is the
-    order of the spans' index (revision 0004): PostgreSQL reads a page in order and stops at its end.
-    With the index ending at ``sequence_id`` it read and sorted every span of the attempt: a page of
-    10 from a trace of 10,000 spans took 58 ms against 3 (docs/performance.md, twenty-sixth pass)."""
-    store = pg_backend.open(run="r", scan_debounce_seconds=3600)
-    try:
-        pairs = await _claimed(store)
-        await store.add_many_spans(
-            [make_span(rid, aid, 1 + k // 3, span_id=f"s{k}") for rid, aid in pairs for k in range(300)]
-        )
-        await store.statistics()  # the lazy sweep runs here, outside the captured call
-        rid = pairs[3][0]
-        page: list[Any] = []
-
-        async def read_a_page() -> None:
-            page.extend(await store.query_spans(rid, "latest", limit=limit))
-
-        reads = [(sql, p) for sql, p in await _statements_of(store, read_a_page) if "FROM" in sql and "spans" in sql]
-        assert [s.span_id for s in page] == [f"s{k}" for k in range(300)][: limit if limit > 0 else None]
-        page_statement = [(sql, p) for sql, p in reads if "count(" not in sql]
-        assert len(page_statement) == 1, [sql[:120] for sql, _p in reads]
-        assert pg_backend.schema is not None
-        nodes = await _plan(pg_backend.schema, *page_statement[0])
-        assert [n["Node Type"] for n in nodes if "Sort" in n["Node Type"]] == []
-        scans = [n for n in nodes if n.get("Relation Name") == "spans"]
-        assert [(n["Node Type"], n.get("Index Name")) for n in scans] == [
-            ("Index Scan", "ix_spans_run_id_rollout_id_attempt_id_sequence_id_id")
-        ]
-    finally:
-        await store.close()
-
-
 # -- a new run in tables analysed before it existed ------------------------------------------------
 
 
