@@ -186,6 +186,51 @@ async def test_a_sweep_rechecks_the_attempts_it_times_out_by_key(pg_backend: Bac
         await store.close()
 
 
+async def test_a_page_at_an_offset_reads_only_its_own_spans_rows(pg_backend: BackendSpec) -> None:
+    """PostgreSQL computes the output columns of every row an OFFSET skips (each span's JSONB as
+    text, its out-of-line attributes fetched): a page at an offset finds its ids first, in the
+    spans' index, and reads the JSON of its own rows only (a page of 10 at offset 5,000 of a
+    10,000-span trace: docs/performance.md, twenty-sixth pass).  The plan says so: below the
+    LIMIT, nothing outputs a JSON column."""
+    store = pg_backend.open(run="r", scan_debounce_seconds=3600)
+    try:
+        pairs = await _claimed(store)
+        rid, aid = pairs[0]
+        await store.add_many_spans([make_span(rid, aid, 1 + k // 3, span_id=f"s{k}") for k in range(300)])
+        await store.statistics()  # the lazy sweep runs here, outside the captured call
+        page: list[Any] = []
+
+        async def read_a_page() -> None:
+            page.extend(await store.query_spans(rid, "latest", limit=10, offset=200))
+
+        reads = [sql_p for sql_p in await _statements_of(store, read_a_page) if "attributes" in sql_p[0]]
+        assert [s.span_id for s in page] == [f"s{k}" for k in range(200, 210)]
+        assert len(reads) == 1, [sql[:120] for sql, _p in reads]
+        assert pg_backend.schema is not None
+        statement, parameters = reads[0]
+        await _analyze(pg_backend.schema)
+        ((raw,),) = await pg_fetch(PG_URL, "EXPLAIN (VERBOSE, FORMAT JSON) " + statement, *parameters)
+        plan = (json.loads(raw) if isinstance(raw, str) else raw)[0]["Plan"]
+        limits, pending = [], [plan]
+        while pending:
+            node = pending.pop()
+            if node["Node Type"] == "Limit" and any(c.endswith(".id") for c in node.get("Output", [])):
+                limits.append(node)  # the page's (the latest attempt's look-up has one too)
+            pending.extend(node.get("Plans", []))
+        assert len(limits) == 1
+        below, pending = [], list(limits[0].get("Plans", []))
+        while pending:
+            node = pending.pop()
+            below.append(node)
+            pending.extend(node.get("Plans", []))
+        outputs = [column for node in below for column in node.get("Output", [])]
+        assert outputs and not [
+            c for c in outputs if re.search(r"attributes|events|links|resource|extra", c)
+        ], outputs
+    finally:
+        await store.close()
+
+
 # -- a new run in tables analysed before it existed ------------------------------------------------
 
 

@@ -182,6 +182,41 @@ async def test_pagination_rules_on_every_query_method(store):
             await call(offset=-1)
 
 
+async def test_span_pages_at_offsets_make_up_the_whole_order(store):
+    """Pages at offsets concatenate to the whole result in every order, ties in insertion order
+    (on PostgreSQL a page at an offset reads its ids first: ADR 0005 decision 17)."""
+    ar = await store.start_rollout(1)
+    rid, aid = ar.rollout_id, ar.attempt.attempt_id
+    await store.add_many_spans(
+        [make_span(rid, aid, 1 + k // 3, span_id=f"s{k}", name=f"n{k % 4}") for k in range(23)]
+    )
+    orders = [
+        ("sequence_id", "asc"),
+        ("sequence_id", "desc"),
+        ("name", "asc"),
+        ("start_time", "desc"),
+        (None, "asc"),
+    ]
+    for sort_by, order in orders:
+        whole = [s.span_id for s in await store.query_spans(rid, sort_by=sort_by, sort_order=order)]
+        assert sorted(whole) == sorted(f"s{k}" for k in range(23))
+        for size in (1, 4, 10):
+            pages: list[str] = []
+            for offset in range(0, 25, size):
+                page = await store.query_spans(
+                    rid, "latest", limit=size, offset=offset, sort_by=sort_by, sort_order=order
+                )
+                assert (page.total, page.offset, page.limit) == (23, offset, size)
+                pages += [s.span_id for s in page]
+            assert pages == whole, (sort_by, order, size)
+        tail = await store.query_spans(rid, offset=20, sort_by=sort_by, sort_order=order)  # no limit
+        assert [s.span_id for s in tail] == whole[20:]
+    named = [s.span_id for s in await store.query_spans(rid, name="n1")]
+    assert named == ["s1", "s5", "s9", "s13", "s17", "s21"]
+    assert [s.span_id for s in await store.query_spans(rid, name="n1", limit=2, offset=1)] == named[1:3]
+    assert [s.span_id for s in await store.query_spans(rid, name="n1", offset=6)] == []
+
+
 # --- query_attempts, get_latest_attempt ------------------------------------------------------------
 
 
