@@ -186,6 +186,42 @@ async def test_a_sweep_rechecks_the_attempts_it_times_out_by_key(pg_backend: Bac
         await store.close()
 
 
+@pytest.mark.parametrize("limit", [-1, 10])
+async def test_a_page_of_spans_reads_the_index_in_its_order(pg_backend: BackendSpec, limit: int) -> None:
+    """``query_spans``' default order, ``sequence_id`` with ties in insertion order (``id``), is the
+    order of the spans' index (revision 0004): PostgreSQL reads a page in order and stops at its end,
+    whatever its statistics say.  With the index ending at ``sequence_id`` it needed a sort, a full
+    one of every span of the attempt when its statistics did not describe the trace (not analysed
+    yet, or analysed while traces were small): a page of 10 from a trace of 10,000 spans took 55-58
+    ms against ~3 (docs/performance.md, twenty-sixth pass)."""
+    store = pg_backend.open(run="r", scan_debounce_seconds=3600)
+    try:
+        pairs = await _claimed(store)
+        await store.add_many_spans(
+            [make_span(rid, aid, 1 + k // 3, span_id=f"s{k}") for rid, aid in pairs for k in range(300)]
+        )
+        await store.statistics()  # the lazy sweep runs here, outside the captured call
+        rid = pairs[3][0]
+        page: list[Any] = []
+
+        async def read_a_page() -> None:
+            page.extend(await store.query_spans(rid, "latest", limit=limit))
+
+        reads = [(sql, p) for sql, p in await _statements_of(store, read_a_page) if "FROM" in sql and "spans" in sql]
+        assert [s.span_id for s in page] == [f"s{k}" for k in range(300)][: limit if limit > 0 else None]
+        page_statement = [(sql, p) for sql, p in reads if "count(" not in sql]
+        assert len(page_statement) == 1, [sql[:120] for sql, _p in reads]
+        assert pg_backend.schema is not None
+        nodes = await _plan(pg_backend.schema, *page_statement[0])
+        assert [n["Node Type"] for n in nodes if "Sort" in n["Node Type"]] == []
+        scans = [n for n in nodes if n.get("Relation Name") == "spans"]
+        assert [(n["Node Type"], n.get("Index Name")) for n in scans] == [
+            ("Index Scan", "ix_spans_run_id_rollout_id_attempt_id_sequence_id_id")
+        ]
+    finally:
+        await store.close()
+
+
 async def test_a_page_at_an_offset_reads_only_its_own_spans_rows(pg_backend: BackendSpec) -> None:
     """PostgreSQL computes the output columns of every row an OFFSET skips (each span's JSONB as
     text, its out-of-line attributes fetched): a page at an offset finds its ids first, in the

@@ -265,7 +265,7 @@ async def test_a_span_page_in_sequence_order_reads_the_index_in_order(store):
         return [row[-1] for row in ctx.conn.exec_driver_sql("EXPLAIN QUERY PLAN " + str(compiled), params)]
 
     details = await store._call("test", plan, write=False)
-    assert any("USING INDEX ix_spans_run_id_rollout_id_attempt_id_sequence_id" in line for line in details), details
+    assert any("USING INDEX ix_spans_run_id_rollout_id_attempt_id_sequence_id_id" in line for line in details), details
     assert not any("TEMP B-TREE" in line for line in details), details
     got = await store.query_spans(ar.rollout_id, "latest")
     assert [s.sequence_id for s in got] == [1, 2, 3]

@@ -188,12 +188,16 @@ spans = Table(
         ["attempts.run_id", "attempts.rollout_id", "attempts.attempt_id"],
     ),
 )
+# A rollout's spans in ``query_spans``' default order, ties in insertion order (revision 0004: the
+# trailing ``id`` lets PostgreSQL read a page in order instead of sorting every span of the attempt;
+# on SQLite the rowid already ends every index entry).
 Index(
-    "ix_spans_run_id_rollout_id_attempt_id_sequence_id",
+    "ix_spans_run_id_rollout_id_attempt_id_sequence_id_id",
     spans.c.run_id,
     spans.c.rollout_id,
     spans.c.attempt_id,
     spans.c.sequence_id,
+    spans.c.id,
 )
 # Reward spans only (revision 0002): the analysis views find each attempt's last reward through it,
 # so the final reward is never parsed on the span-ingest path.  Small: one entry per reward span.
