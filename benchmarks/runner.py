@@ -39,8 +39,11 @@ GOALS: dict[tuple[str, str, str, str], tuple[str, float]] = {
     ("W2", "", "postgres", "B1"): (">=", 0.6),
     ("W4", "dequeue R=8", "postgres", "P0"): (">=", 0.9),
     ("W4", "dequeue R=8", "sqlite", "P0"): (">=", 0.8),
-    ("W6", "", "sqlite", "B1"): (">=", 0.5),
-    ("W6", "", "postgres", "B1"): (">=", 0.5),
+    # BENCHMARKS.md's two read-backs (the long trace read a page at a time is a case of ours: no goal)
+    ("W6", "query_spans x", "sqlite", "B1"): (">=", 0.5),
+    ("W6", "query_spans x", "postgres", "B1"): (">=", 0.5),
+    ("W6", "query_rollouts", "sqlite", "B1"): (">=", 0.5),
+    ("W6", "query_rollouts", "postgres", "B1"): (">=", 0.5),
     ("W7", "scale-out P=4", "postgres", "B2"): (">=", 10.0),
     ("W8", "", "sqlite", "growth"): ("<=", 1.2),
     ("W8", "", "postgres", "growth"): ("<=", 1.2),

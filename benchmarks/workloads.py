@@ -12,6 +12,7 @@ import dataclasses
 import gc
 import multiprocessing
 import os
+import random
 import statistics
 import tempfile
 import threading
@@ -49,6 +50,8 @@ class Size:
     b2_scaleout_n: int
     scaleout_processes: tuple[int, ...]
     memory_n: tuple[int, int]
+    trace_spans: int = 10_000  # W6's long trace, read a page at a time
+    trace_pages: int = 100
     heavy: bool = False
 
 
@@ -91,6 +94,8 @@ SIZES = {
         # ~20 s on a 2-vCPU machine), which is most of this size's time.
         scaleout_processes=(4,),
         memory_n=(50, 500),
+        trace_spans=300,
+        trace_pages=10,
     ),
 }
 
@@ -108,6 +113,8 @@ _COUNT_FIELDS = (
     "query_rollouts_repeats",
     "scaleout_n",
     "b2_scaleout_n",
+    "trace_spans",
+    "trace_pages",
 )
 
 
@@ -552,6 +559,30 @@ async def readback_spans(target: Target, size: Size, *, use_fields: bool = False
     return _readback_measurement(len(ids), s, elapsed, problems)
 
 
+async def trace_pages(target: Target, size: Size, *, page: int = 10) -> Measurement:
+    """Pages of ``page`` spans of one long trace (``size.trace_spans`` spans of one attempt), at
+    seeded random offsets, each with its total: what a trace viewer asks.  The trace is written
+    just before, so PostgreSQL's statistics may not describe it yet (the store analyses its tables
+    as they grow, ADR 0006), as for a trace being written while someone looks at it."""
+    ((rid, aid),) = await _claimed_attempts(target, 1)
+    factory = SpanFactory(target.span_cls, size.heavy)
+    n = max(size.trace_spans, page)
+    for start in range(0, n, 1000):
+        await target.store.add_many_spans([factory.make(rid, aid, k + 1) for k in range(start, min(n, start + 1000))])
+    rng = random.Random(1)
+    offsets = [rng.randrange(0, n - page + 1) for _ in range(size.trace_pages)]
+    offsets[0] = 0  # the first page, which a viewer always asks for
+    problems: list[str] = []
+    started = time.perf_counter()
+    for offset in offsets:
+        got = await target.store.query_spans(rid, "latest", limit=page, offset=offset)
+        seqs = [sp.sequence_id for sp in got]
+        if (seqs != list(range(offset + 1, offset + page + 1)) or got.total != n) and len(problems) < 5:
+            problems.append(f"page at offset {offset}: sequence ids {seqs[:3]}..., total {got.total} of {n}")
+    elapsed = time.perf_counter() - started
+    return Measurement({"pages/s": len(offsets) / elapsed}, problems)
+
+
 async def p0_readback(target: Target, size: Size) -> Measurement:
     """P0 of ``readback_spans`` on the target's own database: the raw driver running the same SELECT
     and decoding the JSON columns, no models (``p0.pg_readback_loop`` / ``p0.sqlite_readback_loop``)."""
@@ -787,6 +818,12 @@ def cases(size: Size) -> dict[str, list[Case]]:
                 p0=p0_readback,
             ),
             Case("W6", f"query_rollouts(status_in) over {size.query_rollouts_n}", query_rollouts_status, (*SQL, "B1")),
+            Case(
+                "W6",
+                f"query_spans pages of 10 of a {size.trace_spans}-span trace x{size.trace_pages}",
+                trace_pages,
+                (*SQL, "B1"),
+            ),
         ],
         "W7": [
             Case("W7", f"scale-out P={p}", bind(scaleout, processes=p), ("postgres", "B2"), ("B2",), in_process=False)

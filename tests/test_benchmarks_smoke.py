@@ -23,6 +23,7 @@ from benchmarks.workloads import (
     p0_claims,
     p0_readback,
     readback_spans,
+    trace_pages,
 )
 from tests.conftest import BackendSpec
 
@@ -68,6 +69,43 @@ async def test_readback_workload_and_p0_read_the_same_spans() -> None:
     for m in (store_run, raw_run):
         assert m.problems == []
         assert m.metrics["rollouts/s"] > 0
+
+
+class _OffsetIgnoringStore:
+    """A store whose ``query_spans`` drops the offset: the first page for any page."""
+
+    def __init__(self, inner: object) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._inner, name)
+
+    async def query_spans(self, *args: object, offset: int = 0, **kwargs: object) -> object:
+        return await self._inner.query_spans(*args, **kwargs)  # type: ignore[attr-defined]
+
+
+async def _check_trace_pages(backend: str) -> None:
+    """W6's long trace read a page at a time: each page is checked against its offset and the
+    trace's total; a store that ignores the offset is reported."""
+    size = dataclasses.replace(TINY, trace_spans=60, trace_pages=6)
+    with tempfile.TemporaryDirectory() as workdir:
+        async with tg.open_target(backend, workdir) as target:
+            good = await trace_pages(target, size)
+        async with tg.open_target(backend, workdir) as target:
+            target.store = _OffsetIgnoringStore(target.store)
+            bad = await trace_pages(target, size)
+    assert good.problems == [] and good.metrics["pages/s"] > 0
+    assert bad.problems and all(p.startswith("page at offset") for p in bad.problems), bad.problems
+
+
+async def test_trace_pages_workload_checks_every_page_on_sqlite() -> None:
+    await _check_trace_pages("sqlite")
+
+
+@pytest.mark.postgres
+async def test_trace_pages_workload_checks_every_page_on_postgres(pg_backend: BackendSpec) -> None:
+    """(``pg_backend``: PostgreSQL must answer; a page at an offset reads its ids first there.)"""
+    await _check_trace_pages("postgres")
 
 
 def test_sequence_checks_report_missing_and_unordered_spans() -> None:
