@@ -44,11 +44,14 @@ OLD_COLUMNS = ["run_id", "rollout_id", "attempt_id", "sequence_id"]
 NEW_COLUMNS = [*OLD_COLUMNS, "id"]
 
 # The index of that name in the schema: whether it is valid, usable as it is (a plain index on
-# spans, no predicate, no expression) and its columns in order; no row when there is none.
+# spans, no predicate, no expression) and its columns in order, each marked when the index sorts it
+# by another collation than the column's; no row when there is none.
 _PREBUILT = sa.text(
     "SELECT i.indisvalid AND i.indisready AND NOT i.indisunique AND i.indpred IS NULL AND i.indexprs IS NULL"
     " AND t.relname = 'spans',"
-    " ARRAY(SELECT a.attname::text FROM unnest(i.indkey::int2[]) WITH ORDINALITY AS k(attnum, position)"
+    " ARRAY(SELECT a.attname::text"
+    "              || CASE WHEN i.indcollation[k.position - 1] = a.attcollation THEN '' ELSE ' (collation)' END"
+    "       FROM unnest(i.indkey::int2[]) WITH ORDINALITY AS k(attnum, position)"
     "       JOIN pg_catalog.pg_attribute AS a ON a.attrelid = i.indrelid AND a.attnum = k.attnum"
     "       ORDER BY k.position)"
     " FROM pg_catalog.pg_index AS i"

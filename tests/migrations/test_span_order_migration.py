@@ -4,7 +4,7 @@ The upgrade replaces ``(run_id, rollout_id, attempt_id, sequence_id)`` by ``(...
 and keeps the spans; the downgrade puts the old index back.  On PostgreSQL an index an operator
 built beforehand with ``CREATE INDEX CONCURRENTLY`` (docs/operations.md) is kept as it is, and one
 that cannot serve (a failed concurrent build leaves an invalid index; another definition under the
-name) is built again.
+name, or the right columns in another collation) is built again.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def test_an_index_built_beforehand_is_kept(database: Database) -> None:
     assert check(database) == []
 
 
-@pytest.mark.parametrize("left", ["invalid", "other columns"])
+@pytest.mark.parametrize("left", ["invalid", "other columns", "another collation"])
 def test_an_unusable_index_of_that_name_is_built_again(database: Database, left: str) -> None:
     if not isinstance(database, PostgresDatabase):
         pytest.skip("PostgreSQL: CREATE INDEX CONCURRENTLY")
@@ -151,8 +151,12 @@ def test_an_unusable_index_of_that_name_is_built_again(database: Database, left:
         # A concurrent build that fails (here: duplicate keys) leaves its index behind, invalid.
         with pytest.raises(Exception, match="could not create unique index"):
             _pg(f"CREATE UNIQUE INDEX CONCURRENTLY {NEW} ON {table} (run_id, rollout_id)")
-    else:
+    elif left == "other columns":
         _pg(f"CREATE INDEX {NEW} ON {table} (run_id, rollout_id)")
+    else:  # the right columns, but sorted by another collation than the columns' "C"
+        _pg(
+            f'CREATE INDEX {NEW} ON {table} (run_id, rollout_id COLLATE "POSIX", attempt_id, sequence_id, id)'
+        )
     left_behind = _index_oid(database, NEW)
 
     _upgrade(database)
