@@ -10,6 +10,7 @@ name, or the right columns in another collation) is built again.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import pytest
 from sqlalchemy import Connection, text
@@ -124,9 +125,8 @@ def test_upgrade_replaces_the_span_order_index_and_keeps_the_spans(database: Dat
     assert _span_order(database) == before
 
 
-def test_an_index_built_beforehand_is_kept(database: Database) -> None:
-    if not isinstance(database, PostgresDatabase):
-        pytest.skip("PostgreSQL: CREATE INDEX CONCURRENTLY")
+def test_an_index_built_beforehand_is_kept(open_database: Callable[..., Database]) -> None:
+    database = open_database("postgresql")  # CREATE INDEX CONCURRENTLY
     _upgrade(database, "0003")
     database.run(lambda conn: _fill(conn, database.schema))
     _pg(
@@ -141,9 +141,10 @@ def test_an_index_built_beforehand_is_kept(database: Database) -> None:
 
 
 @pytest.mark.parametrize("left", ["invalid", "other columns", "another collation"])
-def test_an_unusable_index_of_that_name_is_built_again(database: Database, left: str) -> None:
-    if not isinstance(database, PostgresDatabase):
-        pytest.skip("PostgreSQL: CREATE INDEX CONCURRENTLY")
+def test_an_unusable_index_of_that_name_is_built_again(
+    open_database: Callable[..., Database], left: str
+) -> None:
+    database = open_database("postgresql")  # CREATE INDEX CONCURRENTLY, index catalogues
     _upgrade(database, "0003")
     database.run(lambda conn: _fill(conn, database.schema))
     table = f'"{database.schema}".spans'
