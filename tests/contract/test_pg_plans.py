@@ -191,8 +191,8 @@ async def test_a_page_of_spans_reads_the_index_in_its_order(pg_backend: BackendS
     """``query_spans``' default order, ``sequence_id`` with ties in insertion order (``id``), is the
     order of the spans' index (revision 0004): PostgreSQL reads a page in order and stops at its end,
     whatever its statistics say.  With the index ending at ``sequence_id`` it needed a sort, a full
-    one of every span of the attempt when its statistics did not describe the trace (not analysed
-    yet, or analysed while traces were small): a page of 10 from a trace of 10,000 spans took 55-58
+    one of every span of the attempt when its statistics did not describe the trace (measured: a
+    table not analysed since the trace was written): a page of 10 from a trace of 10,000 spans took 55-58
     ms against ~3 (docs/performance.md, twenty-sixth pass)."""
     store = pg_backend.open(run="r", scan_debounce_seconds=3600)
     try:
