@@ -191,6 +191,15 @@ def database(request: pytest.FixtureRequest, open_database: Callable[..., Databa
 # -- helpers ---------------------------------------------------------------------------------------
 
 
+def upgrade_to(database: Database, revision: str = "head") -> None:
+    """``migrate.upgrade`` to ``revision`` under the migration lock, as ``lightning-sql db upgrade``."""
+    database.run(lambda conn: migrate.upgrade(conn, database.schema, revision), migrating=True)
+
+
+def downgrade_to(database: Database, revision: str) -> None:
+    database.run(lambda conn: migrate.downgrade(conn, database.schema, revision), migrating=True)
+
+
 def ensure(database: Database, *, auto_migrate: bool = True, read_only: bool = False) -> None:
     database.run(
         lambda conn: migrate.ensure_schema(

@@ -18,7 +18,15 @@ from sqlalchemy import Connection, text
 from lightning_sql.store.sql import migrate
 from tests.helpers import pg_execute
 from tests.migrations import test_migrations as base
-from tests.migrations.test_migrations import POSTGRES_URL, Database, PostgresDatabase, check, version_rows
+from tests.migrations.test_migrations import (
+    POSTGRES_URL,
+    Database,
+    PostgresDatabase,
+    check,
+    downgrade_to,
+    upgrade_to,
+    version_rows,
+)
 
 database = base.database
 open_database = base.open_database
@@ -31,14 +39,6 @@ PG_URL = POSTGRES_URL.set(drivername="postgresql").render_as_string(hide_passwor
 def _pg(sql: str) -> None:
     """One statement outside a transaction (``CONCURRENTLY`` refuses one), on a connection of its own."""
     asyncio.run(pg_execute(PG_URL, sql))
-
-
-def _upgrade(database: Database, revision: str = "head") -> None:
-    database.run(lambda conn: migrate.upgrade(conn, database.schema, revision), migrating=True)
-
-
-def _downgrade(database: Database, revision: str) -> None:
-    database.run(lambda conn: migrate.downgrade(conn, database.schema, revision), migrating=True)
 
 
 def _indexes(database: Database) -> dict[str, str]:
@@ -105,12 +105,12 @@ def _span_order(database: Database) -> list[str]:
 
 
 def test_upgrade_replaces_the_span_order_index_and_keeps_the_spans(database: Database) -> None:
-    _upgrade(database, "0003")
+    upgrade_to(database, "0003")
     database.run(lambda conn: _fill(conn, database.schema))
     before = _span_order(database)
     assert OLD in _indexes(database) and NEW not in _indexes(database)
 
-    _upgrade(database)
+    upgrade_to(database)
     assert version_rows(database) == [migrate.HEAD_REVISION]
     indexes = _indexes(database)
     assert OLD not in indexes
@@ -118,7 +118,7 @@ def test_upgrade_replaces_the_span_order_index_and_keeps_the_spans(database: Dat
     assert _span_order(database) == before
     assert check(database) == []
 
-    _downgrade(database, "0003")
+    downgrade_to(database, "0003")
     indexes = _indexes(database)
     assert NEW not in indexes
     assert "(run_id, rollout_id, attempt_id, sequence_id)" in indexes[OLD].replace('"', "")
@@ -127,14 +127,14 @@ def test_upgrade_replaces_the_span_order_index_and_keeps_the_spans(database: Dat
 
 def test_an_index_built_beforehand_is_kept(open_database: Callable[..., Database]) -> None:
     database = open_database("postgresql")  # CREATE INDEX CONCURRENTLY
-    _upgrade(database, "0003")
+    upgrade_to(database, "0003")
     database.run(lambda conn: _fill(conn, database.schema))
     _pg(
         f'CREATE INDEX CONCURRENTLY {NEW} ON "{database.schema}".spans (run_id, rollout_id, attempt_id, sequence_id, id)'
     )
     built = _index_oid(database, NEW)
 
-    _upgrade(database)
+    upgrade_to(database)
     assert _index_oid(database, NEW) == built  # kept, not built again
     assert OLD not in _indexes(database)
     assert check(database) == []
@@ -145,7 +145,7 @@ def test_an_unusable_index_of_that_name_is_built_again(
     open_database: Callable[..., Database], left: str
 ) -> None:
     database = open_database("postgresql")  # CREATE INDEX CONCURRENTLY, index catalogues
-    _upgrade(database, "0003")
+    upgrade_to(database, "0003")
     database.run(lambda conn: _fill(conn, database.schema))
     table = f'"{database.schema}".spans'
     if left == "invalid":
@@ -160,7 +160,7 @@ def test_an_unusable_index_of_that_name_is_built_again(
         )
     left_behind = _index_oid(database, NEW)
 
-    _upgrade(database)
+    upgrade_to(database)
     assert _index_oid(database, NEW) != left_behind
     assert "(run_id, rollout_id, attempt_id, sequence_id, id)" in _indexes(database)[NEW].replace('"', "")
     assert OLD not in _indexes(database)

@@ -20,20 +20,20 @@ from sqlalchemy import Connection, text
 from lightning_sql.store.sql import migrate
 from lightning_sql.store.sql import schema as schema_module
 from tests.migrations import test_migrations as base
-from tests.migrations.test_migrations import Database, PostgresDatabase, catalogue, check, version_rows
+from tests.migrations.test_migrations import (
+    Database,
+    PostgresDatabase,
+    catalogue,
+    check,
+    downgrade_to,
+    upgrade_to,
+    version_rows,
+)
 
 database = base.database
 open_database = base.open_database
 
 UNSAMPLED = {(table, column) for table, columns in schema_module.UNSAMPLED_COLUMNS.items() for column in columns}
-
-
-def _upgrade(database: Database, revision: str = "head") -> None:
-    database.run(lambda conn: migrate.upgrade(conn, database.schema, revision), migrating=True)
-
-
-def _downgrade(database: Database, revision: str) -> None:
-    database.run(lambda conn: migrate.downgrade(conn, database.schema, revision), migrating=True)
 
 
 def _fill_and_analyze(conn: Connection, schema: str) -> None:
@@ -96,21 +96,21 @@ def _row_counts(database: Database) -> dict[str, int]:
 
 def test_upgrade_drops_the_run_columns_statistics_and_keeps_the_others(database: Database) -> None:
     if not isinstance(database, PostgresDatabase):
-        _upgrade(database, "0002")
+        upgrade_to(database, "0002")
         before = catalogue(database)
-        _upgrade(database, "0003")
+        upgrade_to(database, "0003")
         assert version_rows(database) == ["0003"]
         assert catalogue(database) == before  # SQLite: nothing to do
         return
     assert database.schema is not None
-    _upgrade(database, "0002")
+    upgrade_to(database, "0002")
     schema = database.schema
     database.run(lambda conn: _fill_and_analyze(conn, schema))
     sampled = _sampled(database)
     assert UNSAMPLED <= sampled  # else the upgrade would have nothing to drop
     queue_index = _queue_index_file(database)
 
-    _upgrade(database)
+    upgrade_to(database)
     assert _queue_index_file(database) == queue_index  # nothing rebuilt
     assert version_rows(database) == [migrate.HEAD_REVISION]
     assert _sampled(database) == sampled - UNSAMPLED
@@ -121,7 +121,7 @@ def test_upgrade_drops_the_run_columns_statistics_and_keeps_the_others(database:
     database.run(lambda conn: _analyze(conn, schema))
     assert _sampled(database) == sampled - UNSAMPLED
 
-    _downgrade(database, "0002")
+    downgrade_to(database, "0002")
     assert catalogue(database)["statistics_targets"] == set()
     database.run(lambda conn: _analyze(conn, schema))
     assert _sampled(database) == sampled
@@ -141,11 +141,11 @@ def _queue_index_file(database: Database) -> int:
 
 def test_upgrade_of_a_never_analysed_database_only_sets_the_targets(database: Database) -> None:
     """No statistics yet (a new database): nothing is rebuilt (the queue index keeps its file)."""
-    _upgrade(database, "0002")
+    upgrade_to(database, "0002")
     if not isinstance(database, PostgresDatabase):
         pytest.skip("SQLite: covered by the test above")
     before = _queue_index_file(database)
-    _upgrade(database)
+    upgrade_to(database)
     assert catalogue(database)["statistics_targets"] == {(t, c, 0) for t, c in UNSAMPLED}
     assert _sampled(database) == set()
     assert _queue_index_file(database) == before

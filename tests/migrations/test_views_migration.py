@@ -23,6 +23,7 @@ from tests.migrations.test_migrations import (
     catalogue,
     check,
     ensure,
+    upgrade_to,
     version_rows,
 )
 
@@ -47,10 +48,6 @@ def _index_names(database: Database) -> set[str]:
         return set(database.run(lambda conn: conn.execute(query, {"schema": database.schema}).scalars().all()))
     query = text("SELECT name FROM sqlite_master WHERE type = 'index'")
     return set(database.run(lambda conn: conn.execute(query).scalars().all()))
-
-
-def _upgrade(database: Database, revision: str = "head") -> None:
-    database.run(lambda conn: migrate.upgrade(conn, database.schema, revision), migrating=True)
 
 
 def test_head_creates_the_views_and_the_reward_index(database: Database) -> None:
@@ -85,13 +82,13 @@ def test_catalogue_with_views_equals_a_fresh_create(
 
 
 def test_downgrade_to_0001_removes_exactly_the_views_and_the_index(database: Database) -> None:
-    _upgrade(database)
+    upgrade_to(database)
     with_views = catalogue(database)
     database.run(lambda conn: migrate.downgrade(conn, database.schema, "0001"), migrating=True)
     assert version_rows(database) == ["0001"]
     assert _view_names(database) == set()
     assert REWARD_INDEX not in _index_names(database)
-    _upgrade(database)
+    upgrade_to(database)
     assert version_rows(database) == [migrate.HEAD_REVISION]
     assert catalogue(database) == with_views
 
@@ -133,9 +130,9 @@ def _read(database: Database, sql: str) -> list[tuple[Any, ...]]:
 
 
 def test_data_written_at_0001_shows_in_the_views_after_the_upgrade(database: Database) -> None:
-    _upgrade(database, "0001")
+    upgrade_to(database, "0001")
     database.run(_write_at_0001)
-    _upgrade(database)
+    upgrade_to(database)
     assert _read(
         database,
         "SELECT run_name, rollout_id, attempts, latest_worker_id, duration_seconds, final_reward "
