@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.tree import Tree
 
-from lightning_sql.store.sql.engine import DatabaseTarget, mask_url, normalise_url
+from lightning_sql.store.sql.urls import DatabaseTarget, mask_url, normalise_url
 
 F = TypeVar("F", bound=Callable[..., Any])
 
