@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from sqlalchemy import BigInteger, Float, Integer, Select, Table, and_, func, or_, select, text
 
 from lightning_sql.store.sql import schema as s
-from lightning_sql.store.sql.engine import UnitContext
+from lightning_sql.store.sql.executor import UnitContext
 from lightning_sql.store.sql.store import SqlLightningStore
 from lightning_sql.store.sql.views import VIEW_TABLES
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import warnings
 
 import pytest
-from sqlalchemy import event
+from sqlalchemy import Engine, event
 
 from lightning_sql import Attempt, AttemptedRollout, EnqueueRolloutRequest, PaginatedResult, Rollout, Span
 from tests.contract.test_spans import make_span
@@ -317,15 +317,8 @@ async def test_query_spans_filters(store):
 # --- no N+1 ---------------------------------------------------------------------------------------
 
 
-def _engine_of(store):
-    if hasattr(store._worker, "engine_for_this_loop"):  # PostgreSQL: this loop's units may run on its own engine
-        return store._worker.engine_for_this_loop()
-    engine = store._worker._engine
-    return getattr(engine, "sync_engine", engine)
-
-
 async def _count_statements(store, coro_factory) -> int:
-    engine = _engine_of(store)
+    engine = Engine  # every engine of the process: the store's executor owns its engines
     statements: list[str] = []
 
     def before(conn, cursor, statement, parameters, context, executemany):

@@ -19,7 +19,7 @@ from typing import Any
 from sqlalchemy import func, select, text
 
 from lightning_sql.store.sql import schema as s
-from lightning_sql.store.sql.engine import UnitContext
+from lightning_sql.store.sql.executor import UnitContext
 
 # A table is analysed once it has changed by max(MIN_CHANGES, rows at the last analysis) rows.
 MIN_CHANGES = 1000

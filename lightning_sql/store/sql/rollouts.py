@@ -7,7 +7,7 @@ a lost commit finds its own rows instead of acting twice (contract §0.3).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +16,7 @@ from sqlalchemy import ColumnElement, bindparam, func, select, update
 from lightning_sql.store.sql import dialect as d
 from lightning_sql.store.sql import filters as f
 from lightning_sql.store.sql import schema as s
-from lightning_sql.store.sql.engine import EncodedJson, NeedsTransaction, Planned, UnitContext
+from lightning_sql.store.sql.executor import EncodedJson, UnitContext
 from lightning_sql.store.sql.rows import (
     ROLLOUT_COLUMNS,
     attempt_from_row,
@@ -25,7 +25,7 @@ from lightning_sql.store.sql.rows import (
     construct,
     rollout_from_row,
 )
-from lightning_sql.store.sql.statements import cached, prebuilt
+from lightning_sql.store.sql.statements import cached
 from lightning_sql.store.sql.workers import idle_on_empty_queue, sync_worker, worker_following, write_worker
 from lightning_sql.types import (
     FINISHED_STATUSES,
@@ -319,10 +319,9 @@ def claim(
 ) -> list[AttemptedRollout]:
     """Claim up to ``len(attempt_ids)`` queued rollouts in queue order.
 
-    Every statement here is atomic and replay-safe on its own, so PostgreSQL runs this unit without
-    a transaction (``autocommit``, see ``AsyncLoopWorker``): there the claim is one statement
-    (rollouts, attempts and the worker row), an empty queue's idle marking another, and a replay
-    first looks for its own attempts.  SQLite runs it in one transaction, as every write."""
+    On PostgreSQL the claim is one statement (rollouts, attempts and the worker row, rows picked with
+    ``FOR UPDATE SKIP LOCKED``); on SQLite, whose writers are serialised, a pick-and-mark and an
+    insert.  A replay first looks for its own attempts (their ids are fresh per call)."""
     limit = len(attempt_ids)
     out: list[AttemptedRollout] = []
     synced = False  # the claim statement itself synced the worker (PostgreSQL)
@@ -351,31 +350,6 @@ def _worker_write(
     return None
 
 
-def claim_batch(
-    ctx: UnitContext, run_id: int, calls: Sequence[tuple[float, tuple[Sequence[str], str | None]]]
-) -> list[list[AttemptedRollout]]:
-    """``claim`` for several calls ``(now, (attempt_ids, worker_id))`` at once, each call's claimed
-    rollouts: what ``claim`` gives each call run right after the calls before it (its share of the
-    next rollouts in queue order, its attempts started at its ``now``, its worker's row synced or
-    marked idle).  It is ONE claim of all their rollouts (SQLite: one pick and mark, one insert of
-    the attempts; PostgreSQL: one statement), then the workers' rows in call order.  One call, and
-    a replay (which looks for its own attempts first): ``claim`` per call."""
-    if len(calls) == 1 or ctx.attempt > 0:
-        return [claim(ctx, run_id, now, attempt_ids, worker_id) for now, (attempt_ids, worker_id) in calls]
-    if ctx.autocommit:  # PostgreSQL, a batch without a transaction (SqlLightningStore._dequeue)
-        return _claim_many_postgres(ctx, run_id, calls, with_workers=True)
-    if ctx.dialect == "postgresql":
-        out = _claim_many_postgres(ctx, run_id, calls)
-    else:
-        out = _claim_many_sqlite(ctx, run_id, calls)
-    writes = [
-        _worker_write(ctx, run_id, now, worker_id, claimed)
-        for (now, (_ids, worker_id)), claimed in zip(calls, out, strict=True)
-    ]
-    d.run_in_order(ctx, [write for write in writes if write is not None])
-    return out
-
-
 def _claim_many_sqlite(
     ctx: UnitContext, run_id: int, calls: Sequence[tuple[float, tuple[Sequence[str], str | None]]]
 ) -> list[list[AttemptedRollout]]:
@@ -402,78 +376,6 @@ def _claim_many_sqlite(
     if attempt_rows:
         ctx.execute(cached("attempt_insert", A.insert), attempt_rows)
     return out
-
-
-def _claim_many_postgres(
-    ctx: UnitContext,
-    run_id: int,
-    calls: Sequence[tuple[float, tuple[Sequence[str], str | None]]],
-    *,
-    with_workers: bool = False,
-) -> list[list[AttemptedRollout]]:
-    """The claim of several calls' rollouts in one statement; ``with_workers``: with the calls'
-    worker rows (``dialect.ClaimingCall``), else the caller writes them."""
-    workers: list[d.ClaimingCall] | None = None
-    if with_workers:
-        workers = _claiming_calls(calls)
-        if workers is None:
-            # Two calls of one worker write its row in call order: the transaction does that.
-            raise NeedsTransaction()
-    elif not any(ids for _now, (ids, _worker_id) in calls):
-        return [[] for _call in calls]
-    stmt, params = _claim_many_statement(run_id, calls, workers)
-    return _claims_of_calls(calls, ctx.execute(stmt, params).all())
-
-
-def plan_claims(
-    run_id: int, calls: Sequence[tuple[float, tuple[Sequence[str], str | None]]]
-) -> Planned[list[AttemptedRollout]] | None:
-    """PostgreSQL: ``claim_batch`` on a first try without a transaction as ONE statement
-    (``BatchUnit.plan``): the calls' claim with their worker rows (``_claim_many_postgres``), for a
-    call alone too (what ``claim``'s one or two statements do: the worker busy on its last claimed
-    rollout, or idle when it claimed none).  None when two calls share a worker (their rows are
-    written in call order, in a transaction) or a call claims nothing."""
-    workers = _claiming_calls(calls)
-    if workers is None or not all(ids for _now, (ids, _worker_id) in calls):
-        return None
-    stmt, params = _claim_many_statement(run_id, calls, workers)
-    return Planned(stmt, params, lambda rows, _events: _claims_of_calls(calls, rows))
-
-
-def _claiming_calls(calls: Sequence[tuple[float, tuple[Sequence[str], str | None]]]) -> list[d.ClaimingCall] | None:
-    """The calls' worker rows to write with their claim (``dialect.ClaimingCall``), or None when two
-    calls share a worker."""
-    workers = []
-    first = 1
-    for now, (ids, worker_id) in calls:
-        if worker_id is not None:
-            workers.append(d.ClaimingCall(worker_id, now, first, first + len(ids) - 1))
-        first += len(ids)
-    if len({call.worker_id for call in workers}) < len(workers):
-        return None
-    return workers
-
-
-def _claim_many_statement(
-    run_id: int,
-    calls: Sequence[tuple[float, tuple[Sequence[str], str | None]]],
-    workers: list[d.ClaimingCall] | None,
-) -> tuple[Any, dict[str, Any]]:
-    attempt_ids = [aid for _now, (ids, _worker_id) in calls for aid in ids]
-    worker_ids = [worker_id for _now, (ids, worker_id) in calls for _aid in ids]
-    nows = [now for now, (ids, _worker_id) in calls for _aid in ids]
-    return d.claim_many_statement(run_id, attempt_ids, worker_ids, nows, ROLLOUT_COLUMNS, workers)
-
-
-def _claims_of_calls(
-    calls: Sequence[tuple[float, tuple[Sequence[str], str | None]]], rows: Sequence[Any]
-) -> list[list[AttemptedRollout]]:
-    """Each call's claimed rollouts from the claim's rows (the first len(rows) attempt ids, in call order)."""
-    by_attempt = {row.attempt_id: row for row in rows}
-    return [
-        [_attempted_claim(by_attempt[aid], aid, now, worker_id) for aid in ids if aid in by_attempt]
-        for now, (ids, worker_id) in calls
-    ]
 
 
 def _attempt_row(
@@ -848,211 +750,6 @@ def _attempt_writes(
     return writes, None
 
 
-# What an ``update_attempt`` may change to run as ONE statement without a transaction on PostgreSQL
-# (``fits_one_statement``): attempt statuses that the rollout's follows one to one (no retry
-# decision, no queue position to allocate), and attempt columns written as given.
-_ONE_STATEMENT_STATUSES = frozenset({"preparing", "running", "succeeded"})
-_ONE_STATEMENT_CHANGES = frozenset({"status", "last_heartbeat_time", "metadata"})
-
-
-def fits_one_statement(attempt_id: str, changes: dict[str, Any]) -> bool:
-    """Whether an ``update_attempt`` alone may run as one statement without a transaction on
-    PostgreSQL (``update_attempt_batch``): a concrete attempt id that can be stored, a status
-    change to one of ``_ONE_STATEMENT_STATUSES``, and no other change but heartbeat and metadata."""
-    return (
-        changes.get("status") in _ONE_STATEMENT_STATUSES
-        and changes.keys() <= _ONE_STATEMENT_CHANGES
-        and attempt_id != "latest"
-        and is_storable_text(attempt_id)
-    )
-
-
-def _update_attempt_in_one_statement(
-    ctx: UnitContext, run_id: int, now: float, rollout_id: str, attempt_id: str, changes: dict[str, Any]
-) -> Attempt:
-    """``update_attempt`` as ONE statement that locks and writes what ``_attempt_writes`` decides
-    (``dialect.update_attempt_statement``), for a call that ``fits_one_statement``."""
-    stmt, params, outcome = _one_update(run_id, now, rollout_id, attempt_id, changes, ctx.notify_channel)
-    events: set[tuple[int, str]] = set()
-    attempt = outcome(ctx.execute(stmt, params).all(), events)
-    _notified(ctx, events)
-    return attempt
-
-
-def _notified(ctx: UnitContext, events: set[tuple[int, str]]) -> None:
-    """Announce the events a one-statement update notified (for this process's waiters), as
-    notified already (the statement notified the other processes)."""
-    for run_id, kind in events:
-        ctx.announce(run_id, kind)
-    ctx.notified.update(events)
-
-
-def _one_update(
-    run_id: int, now: float, rollout_id: str, attempt_id: str, changes: dict[str, Any], channel: str
-) -> tuple[Any, dict[str, Any], Callable[[Sequence[Any], set[tuple[int, str]]], Attempt]]:
-    """``_update_attempt_in_one_statement``'s statement, parameters, and its outcome from the
-    statement's rows (which raises ``NeedsTransaction`` when it found nothing to write, and adds
-    ``(run_id, "finished")`` to the events when it finished the rollout)."""
-    status = changes["status"]
-    values = dict(changes)
-    rollout_values: dict[str, Any] = {"status": status}
-    if status in FINISHED_STATUSES:  # (succeeded: the attempt's end too)
-        values["end_time"] = now
-        rollout_values["end_time"] = now
-    worker = worker_following(now, status, rollout_id, attempt_id, claim=False)
-    stmt, params = d.update_attempt_statement(run_id, rollout_id, attempt_id, values, rollout_values, worker, channel)
-
-    def outcome(rows: Sequence[Any], events: set[tuple[int, str]]) -> Attempt:
-        found = d.update_attempt_outcome(rows)
-        if found is None:
-            raise NeedsTransaction(rollout_id, attempt_id)
-        row, rollout_written = found
-        if rollout_written and status in FINISHED_STATUSES:
-            events.add((run_id, "finished"))
-        return attempt_from_row(row)
-
-    return stmt, params, outcome
-
-
-def _update_attempts_in_one_statement(
-    ctx: UnitContext, run_id: int, calls: Sequence[tuple[float, tuple[str, str, dict[str, Any]]]]
-) -> list[Attempt]:
-    """A batch of ``update_attempt`` calls that each ``fits_one_statement``, of distinct rollouts, as
-    ONE statement (``dialect.update_attempts_statement``); anything else, and a batch that
-    finds a call's rollout or attempt missing or two attempts of one worker, raises
-    ``NeedsTransaction`` before it writes anything (the batch then runs in a transaction)."""
-    updates = _one_statement_updates(calls)
-    if updates is None:
-        raise NeedsTransaction()
-    stmt, params = d.update_attempts_statement(run_id, updates, ctx.notify_channel)
-    events: set[tuple[int, str]] = set()
-    attempts = _updated_attempts(run_id, updates, list(ctx.execute(stmt, params)), events)
-    _notified(ctx, events)
-    return attempts
-
-
-def _one_statement_updates(
-    calls: Sequence[tuple[float, tuple[str, str, dict[str, Any]]]],
-) -> list[d.OneStatementUpdate] | None:
-    """The calls as one statement's updates, or None when one does not ``fits_one_statement`` or
-    two are of one rollout (a later call of a rollout sees the earlier one's writes: in order)."""
-    updates = []
-    for now, (rollout_id, attempt_id, changes) in calls:
-        if not fits_one_statement(attempt_id, changes):
-            return None
-        heartbeat = ("last_heartbeat_time" in changes, changes.get("last_heartbeat_time"))
-        metadata = ("metadata" in changes, changes.get("metadata"))
-        updates.append(d.OneStatementUpdate(rollout_id, attempt_id, now, changes["status"], heartbeat, metadata))
-    if len({update.rollout_id for update in updates}) < len(updates):
-        return None
-    return updates
-
-
-def _updated_attempts(
-    run_id: int, updates: list[d.OneStatementUpdate], rows: Sequence[Any], events: set[tuple[int, str]]
-) -> list[Attempt]:
-    """Each call's attempt from the batch statement's rows; ``NeedsTransaction`` when it found a
-    rollout or an attempt missing (it wrote nothing); ``(run_id, "finished")`` added to the events
-    when it finished a rollout."""
-    found = d.update_attempts_outcome(rows, len(updates))
-    if found is None:
-        raise NeedsTransaction()
-    if any(written and update.status in FINISHED_STATUSES for update, (_row, written) in zip(updates, found, strict=True)):
-        events.add((run_id, "finished"))
-    return [attempt_from_row(row) for row, _written in found]
-
-
-def plan_attempt_updates(
-    channel: str, run_id: int, calls: Sequence[tuple[float, tuple[str, str, dict[str, Any]]]]
-) -> Planned[Attempt] | None:
-    """PostgreSQL: ``update_attempt_batch`` on a first try without a transaction as the one
-    statement it runs there (``BatchUnit.plan``), for a call alone too; None for calls it runs in a
-    transaction.  ``channel``: the NOTIFY channel of the store's schema."""
-    if len(calls) == 1:
-        ((now, (rollout_id, attempt_id, changes)),) = calls
-        if not fits_one_statement(attempt_id, changes):
-            return None
-        stmt, params, outcome = _one_update(run_id, now, rollout_id, attempt_id, changes, channel)
-        return Planned(stmt, params, lambda rows, events: [outcome(rows, events)])
-    updates = _one_statement_updates(calls)
-    if updates is None:
-        return None
-    stmt, params = d.update_attempts_statement(run_id, updates, channel)
-    return Planned(stmt, params, lambda rows, events: _updated_attempts(run_id, updates, rows, events))
-
-
-# The calls of one batch of ``update_attempt``s on the I/O loop (``BatchUnit.max_batch``): a turn's
-# further calls form another batch, on another connection. It bounds a batch's statement (three
-# CTEs per call) and the number of statements that batches of mixed shapes prepare.
-UPDATE_BATCH_MAX = 16
-
-
-def update_attempt_batch(
-    ctx: UnitContext, run_id: int, calls: Sequence[tuple[float, tuple[str, str, dict[str, Any]]]]
-) -> list[Attempt]:
-    """``update_attempt`` for several calls ``(now, (rollout_id, attempt_id, changes))`` issued in
-    the same turn of an event loop (PostgreSQL) or queued together (a SQLite group commit), in ONE
-    transaction, each call's attempt as if the calls ran one after the other in call order.
-
-    On PostgreSQL, calls of distinct rollouts whose attempt ids can be stored take two statements
-    in all: one locks every rollout and attempt, one writes them all (with their workers' rows and
-    the notifications; what several calls write into one worker's row is merged in call order).
-    Otherwise (SQLite, where a statement costs no round trip; two calls of one rollout, the second
-    of which must see the first's writes) the calls run one after the other.
-    A call's error fails the whole batch, whose calls then run alone (``_flush_batch``).
-    Without a transaction (PostgreSQL, ``ctx.autocommit``: calls that each ``fits_one_statement``)
-    the calls are ONE statement, alone or together (``_update_attempts_in_one_statement``), or
-    raise ``NeedsTransaction`` having written nothing."""
-    if ctx.autocommit:  # PostgreSQL, calls that fit one statement (SqlLightningStore.update_attempt)
-        if len(calls) == 1:
-            ((now, (rollout_id, attempt_id, changes)),) = calls
-            return [_update_attempt_in_one_statement(ctx, run_id, now, rollout_id, attempt_id, changes)]
-        return _update_attempts_in_one_statement(ctx, run_id, calls)
-    pairs = [(rollout_id, attempt_id) for _now, (rollout_id, attempt_id, _changes) in calls]
-    if (
-        ctx.dialect != "postgresql"
-        or len(calls) == 1
-        or len({rid for rid, _aid in pairs}) < len(pairs)
-        or not all(aid == "latest" or is_storable_text(aid) for _rid, aid in pairs)
-    ):
-        return _update_attempts_in_order(ctx, run_id, calls)
-    found = d.lock_rollouts_and_attempts(ctx, run_id, pairs, ROLLOUT_COLUMNS)
-    planned: list[tuple[Any, list[_RowWrite]]] = []  # each call's locked attempt row and row writes
-    workers: dict[str, dict[str, Any]] = {}  # what the calls write into each worker's row, merged
-    for now, (rollout_id, attempt_id, changes) in calls:
-        row, attempt_row = _resolved(*found.get(rollout_id, (None, None)), rollout_id, attempt_id)
-        specs, worker = _attempt_writes(ctx, run_id, now, row, attempt_row, changes)
-        if worker is not None:
-            wid, values = worker
-            workers.setdefault(wid, {}).update(values)  # a later call's columns win, as in order
-        planned.append((attempt_row, specs))
-    if not any(specs for _row, specs in planned):  # (a call that writes a worker writes its attempt)
-        return [attempt_from_row(attempt_row) for attempt_row, _specs in planned]
-    # The writes go into the statement sorted by their shapes, so that it depends on which shapes
-    # the batch holds and how many of each, not on the calls' order (fewer statements to prepare).
-    writes: list[d.Write] = []
-    rows_of: list[int] = []
-    for tag, (_row, specs) in enumerate(sorted((p for p in planned if p[1]), key=lambda p: [w.shape for w in p[1]])):
-        rows_of.append(len(writes))
-        writes.extend(_spec_write(spec, str(tag)) for spec in specs)
-    ordered = sorted(workers.items(), key=lambda item: tuple(item[1]))
-    writes.extend(write_worker(ctx, run_id, wid, values, f"w{tag}_") for tag, (wid, values) in enumerate(ordered))
-    written = {row.rollout_id: row for row in d.run_writes_rows(ctx, writes, rows_of)}
-    return [
-        attempt_from_row(written[attempt_row.rollout_id] if specs else attempt_row)
-        for attempt_row, specs in planned
-    ]
-
-
-def _update_attempts_in_order(
-    ctx: UnitContext, run_id: int, calls: Sequence[tuple[float, tuple[str, str, dict[str, Any]]]]
-) -> list[Attempt]:
-    return [
-        update_attempt(ctx, run_id, now, rollout_id, attempt_id, changes)
-        for now, (rollout_id, attempt_id, changes) in calls
-    ]
-
-
 def touch_attempt(ctx: UnitContext, run_id: int, now: float, rollout_id: str, attempt_id: str) -> Attempt:
     # Lock order (§2.17): the rollout row first, so a concurrent sweep either skips this rollout or has
     # committed its verdict before the heartbeat lands (never judges a heartbeat it did not see).
@@ -1219,18 +916,3 @@ def has_queued(ctx: UnitContext, run_id: int) -> bool:
         select(R.c.queue_seq).where(R.c.run_id == run_id, R.c.queue_seq.isnot(None)).limit(1)
     ).first()
     return row is not None
-
-
-
-for _stmt in (
-    _LATEST_RESOURCES,
-    _RESOURCE_VERSION,
-    _RESOURCE_VERSIONS,
-    _ROLLOUTS_BY_ID,
-    _ROLLOUTS_BY_KEY,
-    _ROLLOUT_ROW,
-    _ATTEMPT_BY_ID,
-    _ATTEMPT_BY_SEQ,
-    _ROLLOUT_WITH_COUNT,
-):
-    prebuilt(_stmt)

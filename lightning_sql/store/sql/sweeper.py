@@ -14,7 +14,7 @@ from sqlalchemy import and_, bindparam, case, literal, or_, select, update
 
 from lightning_sql.store.sql import dialect as d
 from lightning_sql.store.sql import schema as s
-from lightning_sql.store.sql.engine import UnitContext
+from lightning_sql.store.sql.executor import UnitContext
 from lightning_sql.types import IN_FLIGHT_STATUSES, RolloutConfig, rollout_status_from_attempt
 
 R = s.rollouts

@@ -8,7 +8,7 @@ from sqlalchemy import bindparam, case, select
 
 from lightning_sql.store.sql import dialect as d
 from lightning_sql.store.sql import schema as s
-from lightning_sql.store.sql.engine import EncodedJson, UnitContext
+from lightning_sql.store.sql.executor import EncodedJson, UnitContext
 from lightning_sql.store.sql.rows import worker_from_row
 from lightning_sql.store.sql.statements import cached
 from lightning_sql.types import Worker
