@@ -27,6 +27,7 @@ from lightning_sql.runtime.agent import LitAgent
 from lightning_sql.runtime.base import ParallelWorkerBase
 from lightning_sql.runtime.hooks import Hook
 from lightning_sql.runtime.tracer import OtelTracer, Tracer, emit_reward
+from lightning_sql.store import StoreUnavailableError
 from lightning_sql.types import (
     FINISHED_STATUSES,
     AttemptedRollout,
@@ -53,10 +54,12 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 T_task = TypeVar("T_task")
+_R = TypeVar("_R")
 
 ERROR_TRACEBACK_LIMIT = 16_000  # characters of traceback kept in metadata["error"] (the end: where it failed)
 STOP_CHECK_INTERVAL_S = 0.1  # how often an idle runner looks at the stop event
 MIN_IDLE_WAIT_S = 0.01  # floor of poll_interval ± jitter
+OUTAGE_RETRY_MAX_S = 5.0  # longest pause between tries while the database is unavailable
 MIN_SWEEP_INTERVAL_S = 1.0  # runner processes sweep at most once a second per store instance
 DEFAULT_SCAN_DEBOUNCE_S = 10.0  # sweep period for stores that do not say
 
@@ -315,7 +318,9 @@ class LitAgentRunner(Runner[T_task]):
         try:
             done = 0
             while not _stopped(event) and (self.max_rollouts is None or done < self.max_rollouts):
-                rollout = await store.dequeue_rollout(worker_id=self.worker_name)
+                rollout = await self._through_outages(
+                    "claiming", lambda: store.dequeue_rollout(worker_id=self.worker_name), event
+                )
                 if rollout is None:
                     await self._wait_for_work(event)
                     continue
@@ -416,8 +421,11 @@ class LitAgentRunner(Runner[T_task]):
                 await self._fire("on_trace_end", agent=agent, runner=self, tracer=self.tracer, rollout=rollout)
             spans = self.tracer.get_last_trace()
             if error is None and lease.lost_reason is None:
+                traced = spans
                 try:
-                    spans = await self._post_process(result, rid, aid, spans)
+                    spans = await self._through_outages(
+                        f"storing the result of rollout {rid}", lambda: self._post_process(result, rid, aid, traced)
+                    )
                 except Exception as exc:  # noqa: BLE001 - an unusable return value fails the attempt
                     logger.warning("Rollout %s attempt %s returned an unusable value: %s", rid, aid, exc)
                     error = exc
@@ -460,15 +468,44 @@ class LitAgentRunner(Runner[T_task]):
             return
         try:
             if error is None:
-                await store.update_attempt(lease.rollout_id, lease.attempt_id, status="succeeded")
+                await self._through_outages(
+                    f"reporting rollout {lease.rollout_id}",
+                    lambda: store.update_attempt(lease.rollout_id, lease.attempt_id, status="succeeded"),
+                )
             else:
                 details = error if isinstance(error, dict) else error_metadata(error)
                 metadata = {**lease.metadata, "error": details}
-                await store.update_attempt(lease.rollout_id, lease.attempt_id, status="failed", metadata=metadata)
+                await self._through_outages(
+                    f"reporting rollout {lease.rollout_id}",
+                    lambda: store.update_attempt(lease.rollout_id, lease.attempt_id, status="failed", metadata=metadata),
+                )
         except Exception as exc:  # noqa: BLE001 - the lease recovers an unreported attempt
             logger.error("Could not report rollout %s attempt %s: %s", lease.rollout_id, lease.attempt_id, exc)
         else:
             self.completed_rollouts += 1
+
+    async def _through_outages(
+        self, what: str, call: Callable[[], Awaitable[_R]], event: StopEvent | None = None
+    ) -> _R:
+        """``call()``, tried again while the database is unavailable (``StoreUnavailableError``), with
+        one warning per outage: a runner outlives an outage and goes on once the database answers.
+        Gives up (re-raises) only when ``event`` says stop."""
+        delay, logged = 0.1, False
+        while True:
+            try:
+                result = await call()
+            except StoreUnavailableError as exc:
+                if _stopped(event):
+                    raise
+                if not logged:
+                    logger.warning("Runner %s: the database is unavailable (%s): %s; retrying", self.worker_name, what, exc)
+                    logged = True
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, OUTAGE_RETRY_MAX_S)
+                continue
+            if logged:
+                logger.warning("Runner %s: the database answers again (%s)", self.worker_name, what)
+            return result
 
     async def _resolve_resources(self, rollout: Rollout) -> NamedResources:
         store = self.get_store()

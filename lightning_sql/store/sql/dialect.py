@@ -82,7 +82,7 @@ def for_update(ctx: UnitContext, stmt: Select[Any], *, skip_locked: bool = False
 
 
 def contains(ctx: UnitContext, column: Any, needle: Any) -> ColumnElement[bool]:
-    """Case-sensitive substring test with no LIKE metacharacters (contract §2.17)."""
+    """Case-sensitive substring test with no LIKE metacharacters (docs/store-contract.md §2.17)."""
     if ctx.dialect == "postgresql":
         return func.strpos(column, needle) > 0
     return func.instr(column, needle) > 0
@@ -378,7 +378,7 @@ def lock_rollout_and_attempt(
 
     Returns (the rollout row with ``columns``, ``attempt_count`` and ``queue_seq``, or None; the
     attempt row, or None).  PostgreSQL locks both, the rollout first: the attempt is a LATERAL
-    subquery of the locked rollout row (lock order, contract §2.17).  SQLite reads both with one
+    subquery of the locked rollout row (lock order, docs/store-contract.md §2.17).  SQLite reads both with one
     join (``BEGIN IMMEDIATE`` already serialises writers).
     """
     latest = attempt_id == "latest"
@@ -444,8 +444,7 @@ def attempts_by_sequence(ctx: UnitContext, run_id: int, pairs: Sequence[tuple[st
     ... LIMIT 1`` on the pairs of two array parameters, the module's keyed look-ups).  A row-value
     ``IN`` list, the form SQLite takes, was planned there as a read of every attempt of the run
     with the pairs' sequence id, filtered by an ``OR`` of the ids, whenever the pairs share that id
-    (a page of first attempts): ~160 ms per 500 pairs in a run of 30,000 attempts, growing with
-    the run (docs/performance.md, twenty-third pass).  SQLite: that list, in chunks of 500 pairs
+    (a page of first attempts), a cost that grows with the run.  SQLite: that list, in chunks of 500 pairs
     (within its bound-parameter limit), which it reads by key."""
     if not pairs:
         return []
@@ -498,8 +497,7 @@ def named_attempts(ctx: UnitContext, keys: Sequence[tuple[int, str, str]]) -> Co
     attempt_id)`` keys, for a statement that changes them (the sweeper's re-check).  PostgreSQL: a
     join to a MATERIALIZED CTE of the keys ending in ``LIMIT n`` ("Keyed UPDATEs" above); as a
     row-value ``IN`` list, whose keys share ``run_id``, the re-check was planned as a walk of every
-    in-flight rollout of the run filtered by the list (docs/performance.md, twenty-third pass).
-    SQLite: that list, which it reads by key."""
+    in-flight rollout of the run filtered by the list.  SQLite: that list, which it reads by key."""
     A = s.attempts
     if ctx.dialect != "postgresql":
         return tuple_(A.c.run_id, A.c.rollout_id, A.c.attempt_id).in_(list(keys))

@@ -251,7 +251,7 @@ class StoreInstance:
         )
 
     def otlp_traces_endpoint(self) -> str:
-        raise NotImplementedError()  # no OTLP endpoint (contract §2.16); upstream's text is empty too
+        raise NotImplementedError()  # no OTLP endpoint (docs/store-contract.md §2.16); upstream's text is empty too
 
     def _local_now(self) -> float:
         return float(self._clock()) if self._clock is not None else time.time()

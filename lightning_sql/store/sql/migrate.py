@@ -1,6 +1,6 @@
 """Programmatic Alembic: create, upgrade, downgrade, check and guard the lightning_sql schema.
 
-DESIGN §6 and store-contract §4 (``auto_migrate``, ``read_only``, ``schema``).  Every function takes
+docs/architecture.md §9 and docs/store-contract.md §4 (``auto_migrate``, ``read_only``, ``schema``).  Every function takes
 a sync :class:`~sqlalchemy.engine.Connection` that is already inside the caller's transaction (on
 PostgreSQL typically the facade that ``AsyncConnection.run_sync`` hands over); nothing here commits,
 rolls back or closes it, and Alembic is configured without logging setup (no ``fileConfig``).
@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 HEAD_REVISION = "0004"
 
 # pg_advisory_xact_lock key serialising migrations database-wide: 0x6C73716C6D696772, the ASCII
-# bytes of "lsqlmigr" (store-contract §4).
+# bytes of "lsqlmigr" (docs/store-contract.md §4).
 MIGRATION_LOCK_KEY = 7814714488923973490
 
 # One-row table: the oldest code revision that may use this database (see the module docstring).

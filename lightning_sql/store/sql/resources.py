@@ -1,4 +1,4 @@
-"""Units of work for resources and their append-only history (contract §2.13)."""
+"""Units of work for resources and their append-only history (docs/store-contract.md §2.13)."""
 
 from __future__ import annotations
 

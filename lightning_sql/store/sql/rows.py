@@ -33,7 +33,7 @@ from lightning_sql.types import (
     check_text,
     encode_json,
 )
-from lightning_sql.types.jsonvalue import MAX_ID_CHARS, json_text
+from lightning_sql.types.jsonvalue import json_text
 
 ROLLOUT_COLUMNS = [c for c in s.rollouts.c if c.name not in ("run_id", "queue_seq", "span_seq", "attempt_count")]
 ATTEMPT_COLUMNS = [c for c in s.attempts.c if c.name != "run_id"]
@@ -168,8 +168,11 @@ _SPAN_EXTRA_FIELDS = ("status", "context", "parent")
 
 def _checked_id(value: Any, field: str) -> None:
     """``check_text(value, field)``, with plain ASCII ids (nearly all) settled inline."""
-    if not _plain_text(value) or len(value) > MAX_ID_CHARS:
+    if not _plain_text(value) or len(value) > MAX_PLAIN_ID_CHARS:
         check_text(value, field)
+
+
+MAX_PLAIN_ID_CHARS = 1024  # an ASCII id this long is within MAX_ID_BYTES: check_text has nothing to add
 
 
 def _plain_text(value: Any) -> bool:
@@ -237,7 +240,7 @@ def span_values(span: Span, run_id: int) -> dict[str, Any]:
     _checked_id(span.attempt_id, "span.attempt_id")
     _checked_id(span.trace_id, "span.trace_id")
     _checked_id(span.span_id, "span.span_id")
-    check_text(span.name, "span.name", max_chars=None)
+    check_text(span.name, "span.name", max_bytes=None)
     if span.parent_id is not None:
         _checked_id(span.parent_id, "span.parent_id")
     events, links = span.events, span.links

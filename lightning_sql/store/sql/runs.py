@@ -1,4 +1,4 @@
-"""Units of work for runs (contract §0.1, §4): create-or-resume, list, finish, delete in batches."""
+"""Units of work for runs (docs/store-contract.md §0.1, §4): create-or-resume, list, finish, delete in batches."""
 
 from __future__ import annotations
 

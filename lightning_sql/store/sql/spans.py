@@ -1,4 +1,4 @@
-"""Units of work for spans and span sequence counters (contract §2.9, §2.10).
+"""Units of work for spans and span sequence counters (docs/store-contract.md §2.9, §2.10).
 
 Lock order (PostgreSQL): the rollout rows first (in ``rollout_id`` order), then the attempt rows,
 then the span inserts; the heartbeat written last only touches rows already locked.
@@ -19,6 +19,7 @@ from lightning_sql.store.sql.executor import UnitContext
 from lightning_sql.store.sql.rows import span_from_row
 from lightning_sql.store.sql.statements import cached
 from lightning_sql.types import QUEUED_STATUSES, PaginatedResult, Span, check_text
+from lightning_sql.types.jsonvalue import MAX_ID_BYTES
 
 logger = logging.getLogger("lightning_sql.store")
 
@@ -270,15 +271,20 @@ def _heartbeat(ctx: UnitContext, run_id: int, now: float, rid: str, aid: str, ro
 SPAN_FILTER_FIELDS = ("trace_id", "span_id", "parent_id", "name")
 
 
-def _shape(value: str | None) -> bool | None:
-    """None: no filter; True: a bound value; False: a value that cannot be stored (matches nothing)."""
+def _shape(value: str | None, *, max_bytes: int | None = MAX_ID_BYTES) -> bool | None:
+    """None: no filter; True: a bound value; False: a value that cannot be stored (matches nothing).
+    Span names have no length limit (they are no index key): ``max_bytes=None`` for them."""
     if value is None:
         return None
     try:
-        check_text(value, "value")
+        check_text(value, "value", max_bytes=max_bytes)
     except (TypeError, ValueError):
         return False
     return True
+
+
+def _limit(field: str) -> int | None:
+    return None if field == "name" else MAX_ID_BYTES
 
 
 def _span_query(ctx: Any, shape: tuple[Any, ...]) -> tuple[Any, Any]:
@@ -382,8 +388,8 @@ def span_page(
         attempt_mode: Any = attempt_id
     else:
         attempt_mode = bool(_shape(attempt_id))
-    exact_shape = tuple(_shape(exact[name]) for name in SPAN_FILTER_FIELDS)
-    contains_shape = tuple(_shape(contains[name]) for name in SPAN_FILTER_FIELDS)
+    exact_shape = tuple(_shape(exact[name], max_bytes=_limit(name)) for name in SPAN_FILTER_FIELDS)
+    contains_shape = tuple(_shape(contains[name], max_bytes=_limit(name)) for name in SPAN_FILTER_FIELDS)
     shape = (
         bool(_shape(rollout_id)),
         attempt_mode,

@@ -1,7 +1,7 @@
 """A process-wide cache of SQLAlchemy statements built once.
 
-Building a Core statement (``select(...).where(...)``) costs ~100-200 µs of Python, several times
-what SQLite needs to run it; a statement object built once with ``bindparam()`` placeholders is
+Building a Core statement (``select(...).where(...)``) costs more Python than SQLite needs to run
+it; a statement object built once with ``bindparam()`` placeholders is
 compiled once (SQLAlchemy caches the compiled form by the statement's structure) and executed with a
 parameter dict.  Keys name the statement and everything its shape depends on (dialect, column
 lists); values never depend on data.

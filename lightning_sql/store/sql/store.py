@@ -1,4 +1,4 @@
-"""``SqlLightningStore``: the store contract on SQLite and PostgreSQL (contract §0-§2, §4).
+"""``SqlLightningStore``: the store contract on SQLite and PostgreSQL (docs/store-contract.md §0-§2, §4).
 
 Each public coroutine validates its arguments in Python (so bad input fails before any I/O and
 writes nothing), decides every id and *now* once, and hands one unit of work to the process's I/O
@@ -21,6 +21,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from sqlalchemy import func, select
 
 from lightning_sql.store.base import LightningStore
+from lightning_sql.store.sql import attempts, claims
 from lightning_sql.store.sql import dialect as d
 from lightning_sql.store.sql import filters as f
 from lightning_sql.store.sql import resources as res_units
@@ -223,7 +224,7 @@ class SqlLightningStore(StoreInstance, LightningStore):
             await self._sweep_only()
             return []
         return await self._call(
-            method, lambda ctx, run_id, now: ro.claim(ctx, run_id, now, attempt_ids, worker_id), write=True, sweeps=True
+            method, lambda ctx, run_id, now: claims.claim(ctx, run_id, now, attempt_ids, worker_id), write=True, sweeps=True
         )
 
     async def start_attempt(self, rollout_id: str, worker_id: str | None = None) -> AttemptedRollout:
@@ -235,7 +236,7 @@ class SqlLightningStore(StoreInstance, LightningStore):
         attempt_id = new_attempt_id()
         return await self._call(
             "start_attempt",
-            lambda ctx, run_id, now: ro.start_attempt(ctx, run_id, now, rollout_id, attempt_id, worker_id),
+            lambda ctx, run_id, now: attempts.start_attempt(ctx, run_id, now, rollout_id, attempt_id, worker_id),
             write=True,
             sweeps=True,
         )
@@ -321,7 +322,7 @@ class SqlLightningStore(StoreInstance, LightningStore):
         self._check_ids_for_attempt(rollout_id, attempt_id)
         return await self._call(
             "update_attempt",
-            lambda ctx, run_id, now: ro.update_attempt(ctx, run_id, now, rollout_id, attempt_id, changes),
+            lambda ctx, run_id, now: attempts.update_attempt(ctx, run_id, now, rollout_id, attempt_id, changes),
             write=True,
             sweeps=True,
         )
@@ -339,7 +340,7 @@ class SqlLightningStore(StoreInstance, LightningStore):
         self._check_ids_for_attempt(rollout_id, attempt_id)
         return await self._call(
             "touch_attempt",
-            lambda ctx, run_id, now: ro.touch_attempt(ctx, run_id, now, rollout_id, attempt_id),
+            lambda ctx, run_id, now: attempts.touch_attempt(ctx, run_id, now, rollout_id, attempt_id),
             write=True,
         )
 

@@ -1,4 +1,4 @@
-"""Lease expiry (contract §2.15): expired attempts -> timeout/unresponsive, rollouts -> requeue or fail.
+"""Lease expiry (docs/store-contract.md §2.15): expired attempts -> timeout/unresponsive, rollouts -> requeue or fail.
 
 A few set-based statements in one transaction, idempotent and safe to run from many processes at
 once.  On PostgreSQL the candidate rollout rows are taken ``FOR UPDATE SKIP LOCKED`` so a sweep never

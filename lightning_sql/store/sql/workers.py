@@ -1,4 +1,4 @@
-"""Units of work for workers (contract §2.14): heartbeats, worker sync from attempts, reads."""
+"""Units of work for workers (docs/store-contract.md §2.14): heartbeats, worker sync from attempts, reads."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ _HEARTBEAT_STATS = _take("last_heartbeat_time", "heartbeat_stats")
 
 
 def _idle_time_unless_idle(excluded: Any) -> Any:
-    # An already idle worker keeps its last_idle_time (contract §2.4).
+    # An already idle worker keeps its last_idle_time (docs/store-contract.md §2.4).
     return case((W.c.status == "idle", W.c.last_idle_time), else_=excluded.last_idle_time)
 
 
