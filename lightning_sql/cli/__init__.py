@@ -132,7 +132,3 @@ def main() -> None:
     """The ``lightning-sql`` entry point."""
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     cli(prog_name="lightning-sql")
-
-
-if __name__ == "__main__":  # pragma: no cover
-    main()

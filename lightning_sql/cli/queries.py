@@ -145,12 +145,13 @@ def iter_span_pages(
     attempt_id: str | None = None,
     name_contains: str | None = None,
     limit: int = 0,
-    page_rows: int = SPAN_PAGE_ROWS,
+    page_rows: int | None = None,
 ) -> Iterator[list[dict[str, Any]]]:
     """The run's spans in insertion order, ``page_rows`` at a time, each page its own read transaction.
 
-    Only ``columns`` are read; ``limit`` 0 means all.
+    Only ``columns`` are read; ``limit`` 0 means all; ``page_rows`` defaults to ``SPAN_PAGE_ROWS``.
     """
+    page_rows = page_rows or SPAN_PAGE_ROWS
     sp = s.spans
     selected = [sp.c.id, *(sp.c[c] for c in columns)]
     after: int | None = None
