@@ -31,7 +31,7 @@ class Failed(click.ClickException):
     exit_code = EXIT_FAILED
 
     def __init__(self, message: str, **details: Any) -> None:
-        super().__init__(printable(message))  # messages quote stored names: no raw ESC to the terminal
+        super().__init__(printable(message, multiline=True))  # messages quote stored names: no raw ESC to the terminal
         self.details = details
 
 
@@ -90,7 +90,7 @@ def handled(func: F) -> F:
             message = str(exc)
             if "does not exist in this database" in message:  # the store's unknown-run error
                 fail(as_json, message)
-            raise click.UsageError(printable(message)) from exc
+            raise click.UsageError(printable(message, multiline=True)) from exc
 
     return wrapper  # type: ignore[return-value]
 

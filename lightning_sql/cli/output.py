@@ -31,10 +31,13 @@ def is_terminal() -> bool:
     return console().is_terminal
 
 
-def printable(value: str) -> str:
-    """``value`` with every unprintable character (ESC, newline, tab, bidi overrides...) escaped."""
+def printable(value: str, *, multiline: bool = False) -> str:
+    """``value`` with every unprintable character (ESC, tab, bidi overrides...) escaped; newlines
+    too unless ``multiline``."""
     if value.isprintable():
         return value
+    if multiline:
+        return "\n".join(printable(line) for line in value.split("\n"))
     return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in value)
 
 

@@ -1,4 +1,5 @@
-"""The CLI's read model: every statement the commands run, built with SQLAlchemy Core.
+"""The CLI's read model: every statement the commands run (all reads, and the batched span delete
+of ``gc``), built with SQLAlchemy Core.
 
 Statements read through :class:`~lightning_sql.analysis.AnalysisDatabase` (one short read
 transaction each).  Listings that may be long (``spans``) are read in keyset pages, and select only
