@@ -259,3 +259,14 @@ def test_a_command_that_runs_until_stopped_must_keep_running(
     stops = DocCommand("(this test)", "lightning-sql status --watch --interval soon --url sqlite:///quickstart.db")
     with pytest.raises(AssertionError, match="stopped by itself"):
         test_documented_command_runs(stops, quickstart_db, rollout_id, tmp_path, monkeypatch)
+
+
+def test_folders_the_docs_export_to_are_ignored_by_git() -> None:
+    """A user who runs the docs' export commands inside a checkout does not see their output as changes."""
+    ignored = {line.strip() for line in (REPO / ".gitignore").read_text().splitlines()}
+    folders = set()
+    for command in COMMANDS:
+        words = shlex.split(command.text)
+        folders |= {words[i + 1] for i, word in enumerate(words[:-1]) if word == "--to" and "/" not in words[i + 1]}
+    assert folders, "no documented export command"
+    assert {f"{folder}/" for folder in folders} <= ignored
