@@ -36,7 +36,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("lightning_sql/store/sql/migrate.py", "f\"PRAGMA legacy_alter_table={'ON' if previous else 'OFF'}\""): (
         "PRAGMA takes no bound parameters; the f-string only chooses between two literals"
     ),
-    ("lightning_sql/cli.py", "f\"PRAGMA foreign_keys={'OFF' if migrating else 'ON'}\""): (
+    ("lightning_sql/cli/db.py", "f\"PRAGMA foreign_keys={'OFF' if migrating else 'ON'}\""): (
         "PRAGMA takes no bound parameters; the f-string only chooses between two literals"
     ),
     ("lightning_sql/store/sql/planner_stats.py", 'f"ANALYZE {tables}"'): (

@@ -90,6 +90,44 @@ def current_revision(conn: Connection, schema: str | None) -> str | None:
     return _read_state(conn, schema).revision
 
 
+@dataclass(frozen=True)
+class SchemaStatus:
+    """Where a database's schema stands against this code (:func:`schema_status`)."""
+
+    revision: str | None  # None: no lightning_sql schema yet
+    state: str  # "empty", "behind", "up to date", "newer, compatible" or "newer, incompatible"
+    min_code_revision: str | None = None  # for a newer schema: the oldest code revision that may use it
+
+    @property
+    def is_newer(self) -> bool:
+        return self.state.startswith("newer")
+
+    def describe(self) -> str:
+        """One sentence for a newer schema: compatible or not, and that lightning_sql is what to upgrade."""
+        newer = f"this database is at schema revision {self.revision}, newer than this code's {HEAD_REVISION}"
+        if self.state == "newer, compatible":
+            return f"{newer}; it is compatible with this code (upgrade lightning_sql to use what {self.revision} adds)"
+        needed = self.min_code_revision or self.revision
+        return f"{newer}; it needs code that knows revision {needed}: upgrade lightning_sql on this host"
+
+
+def schema_status(conn: Connection, schema: str | None) -> SchemaStatus:
+    """Compare the database's revision with this code's: empty, behind, up to date, or newer."""
+    _check_schema_argument(conn, schema)
+    state = _read_state(conn, schema)
+    if state.revision is None:
+        return SchemaStatus(None, "empty")
+    if state.revision == HEAD_REVISION:
+        return SchemaStatus(state.revision, "up to date")
+    known = _known_revisions()
+    if state.revision in known:
+        return SchemaStatus(state.revision, "behind")
+    compatible = state.min_code_revision is not None and state.min_code_revision in known
+    return SchemaStatus(
+        state.revision, "newer, compatible" if compatible else "newer, incompatible", state.min_code_revision
+    )
+
+
 def ensure_schema(
     conn: Connection,
     *,
