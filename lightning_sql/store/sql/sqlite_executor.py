@@ -90,6 +90,44 @@ def sqlite_engine(
     return engine
 
 
+@contextlib.contextmanager
+def migration_transaction(conn: Connection, path: str | None) -> Iterator[None]:
+    """One ``BEGIN IMMEDIATE`` transaction on ``conn`` for a migration: under the exclusive file lock
+    ``<path>.migrate.lock`` (other processes re-check the version after taking it), with foreign
+    keys off before it begins (SQLite ignores the pragma inside a transaction; batch revisions
+    rebuild tables and check the keys themselves) and back on after."""
+    lock: Any = migrate.migration_file_lock(path) if path is not None else contextlib.nullcontext()
+    with lock:
+        driver = conn.connection.driver_connection  # through SQLAlchemy the pragma would begin a transaction
+        assert driver is not None
+        driver.execute("PRAGMA foreign_keys=OFF")
+        try:
+            with conn.begin():
+                yield
+        finally:
+            driver.execute("PRAGMA foreign_keys=ON")
+
+
+@contextlib.contextmanager
+def sqlite_connection(
+    path: str, *, migrating: bool, busy_timeout_s: float = SQLITE_BUSY_TIMEOUT_S
+) -> Iterator[Connection]:
+    """A connection of its own to the SQLite file ``path`` in one transaction, committed at the end:
+    a ``migration_transaction`` when ``migrating``, else a read-only one.  For the CLI and the
+    migrations' environment (the store itself keeps its connections in its executor)."""
+    engine = sqlite_engine(path, busy_timeout_s=busy_timeout_s, reader=not migrating)
+    try:
+        with engine.connect() as conn:
+            if migrating:
+                with migration_transaction(conn, path):
+                    yield conn
+            else:
+                with conn.begin():
+                    yield conn
+    finally:
+        engine.dispose()
+
+
 class _Gate:
     """Counts the threads inside SQLite; ``close`` waits until none is and keeps new ones out."""
 
@@ -142,13 +180,16 @@ class SqliteExecutor(Executor):
         self._writer_engine: Engine | None = None
         self._writer: Connection | None = None
         self._data_version: int | None = None
+        self._poller: sqlite3.Connection | None = None
         self._readers = threading.local()
         self._reader_slots: list[tuple[threading.Thread, Engine, Connection]] = []
         self._reader_lock = threading.Lock()
         self.gate = _Gate()
         _EXECUTORS.add(self)
         self.hub.on_first_waiter = lambda: self._queue.put(_POLL)
-        self._thread = threading.Thread(target=self._main, name=f"lightning-sql-sqlite[{target.masked}]", daemon=True)
+        self._thread = threading.Thread(
+            target=self._main, name=f"lightning-sql-sqlite[{target.masked}]", daemon=True
+        )
         self._thread.start()
 
     # --- the interface ----------------------------------------------------------------------
@@ -236,7 +277,9 @@ class SqliteExecutor(Executor):
                 item = carried.pop()
             else:
                 try:
-                    item = self._queue.get(timeout=SQLITE_DATA_VERSION_POLL_S if self.hub.has_waiters else None)
+                    item = self._queue.get(
+                        timeout=SQLITE_DATA_VERSION_POLL_S if self.hub.has_waiters else None
+                    )
                 except queue.Empty:
                     self._poll_data_version()
                     continue
@@ -267,6 +310,8 @@ class SqliteExecutor(Executor):
                 self._poll_data_version()
         with self.gate.inside():
             self._drop_writer()
+            if self._poller is not None:
+                self._poller.close()
 
     def _connection(self) -> Connection:
         """The writer connection, kept open between units."""
@@ -291,15 +336,25 @@ class SqliteExecutor(Executor):
             self._drop_writer()
 
     def _poll_data_version(self) -> None:
+        """Wake every waiter when another connection committed since the last poll.  A file is
+        polled on a reader connection of its own (a read-only store may have no writer); an
+        in-memory database, which no other process can write, on the writer connection."""
         try:
             with self.gate.inside():
-                # On the driver connection: through SQLAlchemy the pragma would begin a transaction.
-                driver = self._connection().connection.driver_connection
+                if self.target.path is None:
+                    driver = self._connection().connection.driver_connection
+                else:
+                    if self._poller is None:
+                        self._poller = sqlite3.connect(self.target.path, isolation_level=None, check_same_thread=False)
+                        self._poller.execute("PRAGMA query_only=ON")
+                    driver = self._poller
                 assert driver is not None
                 version = driver.execute("PRAGMA data_version").fetchone()[0]
         except Exception:  # noqa: BLE001 - a failed poll is retried at the next tick
             logger.debug("data_version poll failed", exc_info=True)
-            self._drop_writer()
+            if self._poller is not None:
+                self._poller.close()
+                self._poller = None
             return
         if self._data_version is not None and version != self._data_version:
             self.hub.wake(None)
@@ -341,10 +396,10 @@ class SqliteExecutor(Executor):
                 attempt += 1
 
     def _try_unit(self, unit: Unit[T], attempt: int) -> T:
-        conn = self._connection()
         if isinstance(unit, SchemaUnit):
-            self._ensure_schema(conn, unit)
+            self._ensure_schema(unit)
             return None  # type: ignore[return-value]
+        conn = self._connection()
         ctx = UnitContext(conn, "sqlite", attempt=attempt)
         try:
             with conn.begin():
@@ -396,35 +451,34 @@ class SqliteExecutor(Executor):
             else:
                 item[3].set_exception(error)
 
-    def _ensure_schema(self, conn: Connection, unit: SchemaUnit) -> None:
+    def _ensure_schema(self, unit: SchemaUnit) -> None:
         if self.schema_ready is not None:
             return
-        lock: Any = contextlib.nullcontext()
-        if self.target.path is not None and not unit.read_only:
+
+        def ensure(conn: Connection) -> None:
+            migrate.ensure_schema(
+                conn,
+                schema=None,
+                auto_migrate=unit.auto_migrate,
+                read_only=unit.read_only,
+                url_for_messages=self.target.masked,
+            )
+
+        if unit.read_only and self.target.path is not None:
+            # A read-only store may sit on a read-only file: it checks on a reader connection.
+            with sqlite_connection(self.target.path, migrating=False, busy_timeout_s=self._busy_s) as conn:
+                ensure(conn)
+        else:
+            conn = self._connection()
             try:
-                lock = migrate.migration_file_lock(self.target.path)
-            except OSError as exc:
+                with migration_transaction(conn, self.target.path):
+                    ensure(conn)
+            except OSError as exc:  # the lock file: its folder is missing or read-only
+                self._abandon(conn)
                 raise unavailable(exc, self.target) from exc
-        with lock:
-            # Batch migrations rebuild tables: foreign keys go off *before* the transaction (SQLite
-            # ignores the pragma inside one) and are checked by the migration itself.
-            driver = conn.connection.driver_connection
-            assert driver is not None
-            driver.execute("PRAGMA foreign_keys=OFF")
-            try:
-                with conn.begin():
-                    migrate.ensure_schema(
-                        conn,
-                        schema=None,
-                        auto_migrate=unit.auto_migrate,
-                        read_only=unit.read_only,
-                        url_for_messages=self.target.masked,
-                    )
             except BaseException:
                 self._abandon(conn)
                 raise
-            finally:
-                driver.execute("PRAGMA foreign_keys=ON")
         self.schema_ready = (unit.auto_migrate, unit.read_only)
 
 
@@ -473,4 +527,6 @@ def _after_fork_in_child() -> None:
 
 import os  # noqa: E402 - kept beside its only use
 
-os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
+os.register_at_fork(
+    before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child
+)
