@@ -22,32 +22,12 @@ def db() -> None:
 
 @contextlib.contextmanager
 def sqlite_connection(target: DatabaseTarget, *, migrating: bool, timeout: float) -> Iterator[Any]:
-    """A SQLite connection in one transaction, opened the way migrate.py expects (its docstring):
-    the sidecar file lock and foreign keys off before ``BEGIN IMMEDIATE`` when migrating."""
-    from sqlalchemy import create_engine, event
-    from sqlalchemy.pool import NullPool
-
-    from lightning_sql.store.sql import migrate
-
-    engine = create_engine(target.url, poolclass=NullPool, connect_args={"timeout": timeout})
-
-    @event.listens_for(engine, "connect")
-    def _manual(dbapi_connection: Any, _record: Any) -> None:
-        dbapi_connection.isolation_level = None
-        # Off before the transaction (a no-op inside one): batch revisions rebuild tables.
-        dbapi_connection.execute(f"PRAGMA foreign_keys={'OFF' if migrating else 'ON'}")
-
-    @event.listens_for(engine, "begin")
-    def _begin(conn: Any) -> None:
-        conn.exec_driver_sql("BEGIN IMMEDIATE" if migrating else "BEGIN")
+    """A SQLite connection in one transaction, opened the store's way (``sqlite_executor``)."""
+    from lightning_sql.store.sql.sqlite_executor import sqlite_connection as open_sqlite
 
     assert target.path is not None
-    lock = migrate.migration_file_lock(target.path) if migrating else contextlib.nullcontext()
-    try:
-        with lock, engine.connect() as conn, conn.begin():
-            yield conn
-    finally:
-        engine.dispose()
+    with open_sqlite(target.path, migrating=migrating, busy_timeout_s=timeout) as conn:
+        yield conn
 
 
 def with_connection(

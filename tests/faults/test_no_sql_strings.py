@@ -27,9 +27,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("lightning_sql/store/sql/migrate.py", "f\"PRAGMA legacy_alter_table={'ON' if previous else 'OFF'}\""): (
         "PRAGMA takes no bound parameters; the f-string only chooses between two literals"
     ),
-    ("lightning_sql/cli/db.py", "f\"PRAGMA foreign_keys={'OFF' if migrating else 'ON'}\""): (
-        "PRAGMA takes no bound parameters; the f-string only chooses between two literals"
-    ),
     ("lightning_sql/store/sql/planner_stats.py", 'f"ANALYZE {tables}"'): (
         "ANALYZE takes no bound parameters; the table names are planner_stats.RUN_TABLES constants and "
         "the schema the store's own, each quoted by the dialect's identifier preparer"
