@@ -64,7 +64,7 @@ def _url_from_environment() -> URL:
         raise SystemExit("set LIGHTNING_SQL_URL to the database to migrate, e.g. sqlite:///run.db")
     url = make_url(raw)
     if url.get_backend_name() == "postgresql":
-        # The store talks to PostgreSQL through asyncpg only (store-contract §4).
+        # The store talks to PostgreSQL through asyncpg only (docs/store-contract.md §4).
         url = url.set(drivername="postgresql+asyncpg")
     elif url.get_backend_name() == "sqlite":
         url = url.set(drivername="sqlite")
@@ -90,7 +90,7 @@ def _migrate_sqlite_by_hand(url: URL) -> None:
     @event.listens_for(engine, "connect")
     def _manual_transactions(dbapi_connection: Any, _record: Any) -> None:
         dbapi_connection.isolation_level = None  # let BEGIN IMMEDIATE below be the only BEGIN
-        # Before any transaction (DESIGN §6): batch mode rebuilds tables.
+        # Before any transaction (docs/architecture.md §9): batch mode rebuilds tables.
         dbapi_connection.execute("PRAGMA foreign_keys=OFF")
 
     @event.listens_for(engine, "begin")

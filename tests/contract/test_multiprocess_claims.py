@@ -1,6 +1,6 @@
-"""Contract §2.4 / DESIGN §4 across OS processes: 4 spawned processes x 8 concurrent claimers against one
-database (SQLite file; PostgreSQL) claim every queued rollout exactly once, and no error surfaces (no
-"database is locked").
+"""Claims across OS processes (docs/store-contract.md §2.4, docs/architecture.md §4): 4 spawned
+processes x 8 concurrent claimers against one database (SQLite file; PostgreSQL) claim every queued
+rollout exactly once, and no error surfaces (no "database is locked").
 
 Size knob: ``LIGHTNING_SQL_TEST_MP_ROLLOUTS`` (default 2000 queued rollouts).
 """
@@ -38,7 +38,7 @@ def _claim_in_child(index: int, url: str, options: dict[str, Any], barrier: Any,
 async def _claim_all(
     index: int, url: str, options: dict[str, Any], barrier: Any
 ) -> tuple[list[tuple[str, str, str]], int]:
-    """The process's claims, and how many of its calls ran in batches (ADR 0005 decision 7)."""
+    """The process's claims, and how many of its calls ran in batches."""
     store = SqlLightningStore(url, **options)
     try:
         await store.statistics()  # connect and check the schema before the race starts

@@ -1,7 +1,7 @@
 """How PostgreSQL plans the store's statements: they find their rows through the key, not by
 scanning the run's rows.
 
-Concurrent calls of one kind run as one statement (ADR 0005 decisions 7 and 10): the span batch
+Concurrent calls of one kind run as one statement: the span batch
 (one-span adds of several attempts) and the sequence-id batch (reservations for several rollouts).
 Their UPDATEs join their targets to a MATERIALIZED CTE of the keys, ``run_id`` included (ADR 0007;
 written with ``run_id = :run_id`` and an ``IN`` or ``= ANY`` on the ids, they were planned as
@@ -134,7 +134,7 @@ async def test_a_page_of_rollouts_finds_their_latest_attempts_by_key(pg_backend:
     """``query_rollouts`` reads each rollout's latest attempt by its key.  As a row-value ``IN``
     list of (rollout, sequence id) pairs, a page of first attempts (the pairs sharing sequence id
     1) was planned as a read of every attempt of the run with that id, filtered by an ``OR`` of the
-    ids: 160 ms per 500 pairs in a run of 30,000 (docs/performance.md, twenty-third pass)."""
+    ids, a read that grows with the run."""
     store = pg_backend.open(run="r", scan_debounce_seconds=3600)
     try:
         await _claimed(store)
@@ -159,7 +159,7 @@ async def test_a_sweep_rechecks_the_attempts_it_times_out_by_key(pg_backend: Bac
     """The sweeper re-checks and updates the attempts it found expired by their keys.  As a
     row-value ``IN`` list of keys sharing ``run_id``, the re-check was planned as a walk of every
     in-flight rollout of the run through ``(run_id, status)``, filtered by the list: a sweep timing
-    out 5,000 of 30,000 claimed rollouts took 1.16 s (docs/performance.md, twenty-third pass)."""
+    out many rollouts then took time in proportion to the run, inside its write transaction."""
     clock = FakeClock(1_000_000.0)
     store = pg_backend.open(run="r", clock=clock, clock_sync=False, scan_debounce_seconds=1)
     try:
@@ -191,9 +191,8 @@ async def test_a_page_of_spans_reads_the_index_in_its_order(pg_backend: BackendS
     """``query_spans``' default order, ``sequence_id`` with ties in insertion order (``id``), is the
     order of the spans' index (revision 0004): PostgreSQL reads a page in order and stops at its end,
     whatever its statistics say.  With the index ending at ``sequence_id`` it needed a sort, a full
-    one of every span of the attempt when its statistics did not describe the trace (measured: a
-    table not analysed since the trace was written): a page of 10 from a trace of 10,000 spans took 55-58
-    ms against ~3 (docs/performance.md, twenty-sixth pass)."""
+    one of every span of the attempt when its statistics did not describe the trace (a table not
+    analysed since the trace was written), so each page cost as much as the whole trace."""
     store = pg_backend.open(run="r", scan_debounce_seconds=3600)
     try:
         pairs = await _claimed(store)
@@ -225,8 +224,8 @@ async def test_a_page_of_spans_reads_the_index_in_its_order(pg_backend: BackendS
 async def test_a_page_at_an_offset_reads_only_its_own_spans_rows(pg_backend: BackendSpec) -> None:
     """PostgreSQL computes the output columns of every row an OFFSET skips (each span's JSONB as
     text, its out-of-line attributes fetched): a page at an offset finds its ids first, in the
-    spans' index, and reads the JSON of its own rows only (a page of 10 at offset 5,000 of a
-    10,000-span trace: docs/performance.md, twenty-sixth pass).  The plan says so: below the
+    spans' index, and reads the JSON of its own rows only (docs/adr/0010-span-pages-follow-the-index.md).
+    The plan says so: below the
     LIMIT, nothing outputs a JSON column."""
     store = pg_backend.open(run="r", scan_debounce_seconds=3600)
     try:
@@ -301,7 +300,7 @@ async def test_a_new_run_in_tables_analysed_before_it_finds_its_rows_by_key(pg_b
     """Tables analysed while holding an older run (as autovacuum or the store's own ANALYZE leave
     them): every statement of a new run's lifecycle still reads its rows by key.  With ``run_id``
     sampled (before revision 0003) the planner took the new run for an empty one and read it
-    through ``ix_rollouts_run_id_status`` instead (docs/performance.md, fifteenth pass)."""
+    through ``ix_rollouts_run_id_status`` instead (docs/adr/0007-plans-that-do-not-depend-on-the-run.md)."""
     assert pg_backend.schema is not None
     old = pg_backend.open(run="old", analyze_check_seconds=None)
     new = pg_backend.open(run="new", analyze_check_seconds=None, scan_debounce_seconds=3600)
@@ -357,15 +356,14 @@ async def _rows_read(schema: str) -> int:
 
 # A backend reports its table statistics at most once a second, and within about a second of going
 # idle, unless it finds the shared statistics locked; it then tries again 10 s later (PostgreSQL 15,
-# PGSTAT_IDLE_INTERVAL). Waiting this long before reading them sees every call made before: with
-# 2.5 s the test below counted 114 to 2,121 rows per lifecycle in consecutive runs on a 2-core
-# machine (earlier lifecycles' reads arriving late), with 11 s 24.0 in each of three.
+# PGSTAT_IDLE_INTERVAL). Waiting this long before reading them sees every call made before; a
+# shorter wait lets earlier lifecycles' reads arrive late and be counted against later ones.
 STATS_FLUSH_SECONDS = 11.0
 
 
 async def _run_lifecycles(store: SqlLightningStore, n: int, runners: int = CALLERS) -> None:
     """``n`` lifecycles by ``runners`` concurrent tasks: claim, three sequence ids, three single-span
-    adds (batched across the tasks: ADR 0005 decision 10), succeed."""
+    adds, succeed."""
     left = [n]
 
     async def runner(k: int) -> None:
@@ -386,15 +384,12 @@ async def test_a_run_that_starts_small_reads_by_key_once_it_has_grown(pg_backend
     whatever the tables grow to, until something (an ANALYZE) invalidates it; made on a table of a
     page or two, that plan scans the table, and rightly so then. The store analyses its tables as
     they grow (ADR 0006), when its lazy sweep runs: after a run that started with 40 rollouts has
-    grown to 4,000, a lifecycle reads a few rows by key, not the run (measured on 2026-12-03: 24.0
-    rows per lifecycle in three runs; 3,672-3,679 with ``analyze_check_seconds=None``; 2026-12-02,
-    counted with sweeps among the lifecycles and a 2.5-s wait for the statistics: 7-8 and
-    2,200-5,000). The store clock is the test's: a sweep (at most one per second of it) runs where
+    grown to 4,000, a lifecycle reads a few rows by key, not the run (without the store's ANALYZE,
+    ``analyze_check_seconds=None``, it reads thousands). The store clock is the test's: a sweep (at most one per second of it) runs where
     the test moves it, before each growth step and once after, never in the lifecycles counted (a
     sweep reads rows of its own, which are not what is measured here); the last one after the
-    growth's changes have reached the server's statistics (with a one-statement enqueue of the
-    4,000, on 2026-12-04, the growth took 0.6 s, and no sweep saw them without the wait: 3,679
-    rows per lifecycle). Rows are counted, not timed."""
+    growth's changes have reached the server's statistics (a fast growth is otherwise over before
+    they arrive, and no sweep sees them). Rows are counted, not timed."""
     assert pg_backend.schema is not None
     clock = FakeClock(1_000_000.0)
     store = pg_backend.open(run="r", scan_debounce_seconds=1, analyze_check_seconds=0, clock=clock)
