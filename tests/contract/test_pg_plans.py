@@ -385,8 +385,8 @@ async def test_a_run_that_starts_small_reads_by_key_once_it_has_grown(pg_backend
     page or two, that plan scans the table, and rightly so then. The store analyses its tables as
     they grow (ADR 0006), when its lazy sweep runs: after a run that started with 40 rollouts has
     grown to 4,000, a lifecycle reads a few rows by key, not the run (without the store's ANALYZE,
-    ``analyze_check_seconds=None``, it reads thousands). The store clock is the test's: a sweep (at most one per second of it) runs where
-    the test moves it, before each growth step and once after, never in the lifecycles counted (a
+    ``analyze_check_seconds=None``, it reads thousands). The store clock is the test's: a sweep (at
+    most one per second of it) runs where the test moves it, before each growth step and once after, never in the lifecycles counted (a
     sweep reads rows of its own, which are not what is measured here); the last one after the
     growth's changes have reached the server's statistics (a fast growth is otherwise over before
     they arrive, and no sweep sees them). Rows are counted, not timed."""
