@@ -1,4 +1,7 @@
-"""The runtime around the store: trainer, algorithms, agents, runners, tracers, adapters (contract §3)."""
+"""The runtime around the store: trainer, algorithms, agents, runners, tracers, adapters.
+
+Their behaviour is specified in docs/store-contract.md §3.
+"""
 
 from lightning_sql.runtime.adapter import (
     Adapter,

@@ -1,4 +1,4 @@
-"""Algorithms: what enqueues rollouts and consumes their results (contract §3.5)."""
+"""Algorithms: what enqueues rollouts and consumes their results (docs/store-contract.md §3.5)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Runners: claim rollouts from the store, run the agent, report the outcome (contract §3.1).
+"""Runners: claim rollouts from the store, run the agent, report the outcome (docs/store-contract.md §3.1).
 
 A ``LitAgentRunner`` is one async worker.  Its claim loop sleeps while the queue is empty but is
 woken by the store (``wait_for_queue``) when work arrives; its heartbeat loop refreshes the worker

@@ -1,4 +1,7 @@
-"""``Trainer``: wires store, algorithm, runners, tracer, adapter and strategy together (contract §3.8)."""
+"""``Trainer``: wires store, algorithm, runners, tracer, adapter and strategy together.
+
+Its behaviour is specified in docs/store-contract.md §3.8.
+"""
 
 from __future__ import annotations
 

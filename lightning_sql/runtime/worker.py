@@ -1,4 +1,4 @@
-"""External workers: runners on any host, joining an existing run (contract §3.6).
+"""External workers: runners on any host, joining an existing run (docs/store-contract.md §3.6).
 
 ``run_worker(url, run, "module:attr", n=4)`` opens the store with ``create_run=False`` (a mistyped
 run name fails with the list of existing runs) and runs ``n`` runners until the run is marked

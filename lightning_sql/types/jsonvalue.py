@@ -1,4 +1,4 @@
-"""Validation and encoding of the JSON values the store writes (contract §0.4).
+"""Validation and encoding of the JSON values the store writes (docs/store-contract.md §0.4).
 
 `encode_json` is on the span-ingest hot path, so it makes one recursive walk over the value with exact-type
 fast paths and no per-node string work; the path of an offending element is assembled only when an error

@@ -1,4 +1,4 @@
-"""Group commit on the SQLite writer thread (BENCHMARKS "Levers", DESIGN §5).
+"""Group commit on the SQLite writer thread (docs/architecture.md §7).
 
 Units that wait in the SQLite I/O thread's queue run together in one transaction, each in its own
 savepoint: a unit that raises is rolled back alone and gets its own exception; a transient error or a

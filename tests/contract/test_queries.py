@@ -184,7 +184,7 @@ async def test_pagination_rules_on_every_query_method(store):
 
 async def test_span_pages_at_offsets_make_up_the_whole_order(store):
     """Pages at offsets concatenate to the whole result in every order, ties in insertion order
-    (on PostgreSQL a page at an offset reads its ids first: ADR 0005 decision 17)."""
+    (on PostgreSQL a page at an offset reads its ids first: docs/adr/0010-span-pages-follow-the-index.md)."""
     ar = await store.start_rollout(1)
     rid, aid = ar.rollout_id, ar.attempt.attempt_id
     await store.add_many_spans(
