@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import platform
 import random
 import threading
 import time
@@ -26,6 +24,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from lightning_sql.runtime.agent import LitAgent
 from lightning_sql.runtime.base import ParallelWorkerBase
 from lightning_sql.runtime.hooks import Hook
+from lightning_sql.runtime.recovery import process_identity
 from lightning_sql.runtime.tracer import OtelTracer, Tracer, emit_reward
 from lightning_sql.types import (
     FINISHED_STATUSES,
@@ -72,12 +71,11 @@ def _stopped(event: StopEvent | None) -> bool:
 
 
 def system_snapshot(include_gpu: bool = False) -> dict[str, Any]:
-    """A JSON dict of this host's CPU and memory figures (and GPU ones with ``include_gpu``)."""
+    """A JSON dict of this process's identity and this host's CPU and memory figures (GPU ones with ``include_gpu``)."""
     memory = psutil.virtual_memory()
     process = psutil.Process()
     snapshot: dict[str, Any] = {
-        "host": platform.node(),
-        "pid": os.getpid(),
+        **process_identity(),  # host, boot id, pid: lets a trainer on this machine see the process is gone
         "cpu_count": psutil.cpu_count() or 0,
         "cpu_percent": float(psutil.cpu_percent(interval=None)),
         "memory_total_bytes": int(memory.total),
@@ -473,9 +471,13 @@ class LitAgentRunner(Runner[T_task]):
     async def _resolve_resources(self, rollout: Rollout) -> NamedResources:
         store = self.get_store()
         if rollout.resources_id:
-            update = await store.get_resources_by_id(rollout.resources_id)
+            # The version current when the rollout was enqueued: a later version is another experiment.
+            update = await store.get_resources_by_id(rollout.resources_id, version=rollout.resources_version)
             if update is None:
-                raise LookupError(f"Resources {rollout.resources_id} not found (rollout {rollout.rollout_id})")
+                raise LookupError(
+                    f"Resources {rollout.resources_id} version {rollout.resources_version} not found "
+                    f"(rollout {rollout.rollout_id})"
+                )
             return update.resources
         latest = await store.get_latest_resources()
         return latest.resources if latest is not None else {}

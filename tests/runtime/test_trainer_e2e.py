@@ -17,6 +17,7 @@ from lightning_sql import (
     Trainer,
     reward_value_key,
 )
+from lightning_sql.runtime.algorithm import sample_keys
 from lightning_sql.runtime.runner import ERROR_TRACEBACK_LIMIT
 from tests.runtime import agents
 
@@ -60,9 +61,11 @@ def test_fit_end_to_end(mp_backend: Any, strategy: str, agent_name: str) -> None
         got = _summary(store)
         assert got["run"].status == "finished"
         rollouts = got["rollouts"]
+        samples = [("train", s) for s in train] + [("val", s) for s in val]
         assert sorted((r.mode, r.idempotency_key) for r in rollouts) == sorted(
-            [("train", f"0:train:{i}") for i in range(6)] + [("val", f"0:val:{6 + i}") for i in range(3)]
+            (mode, key) for (mode, _), key in zip(samples, sample_keys(0, samples), strict=True)
         )
+        assert all(key.startswith(f"0:{mode}:") for mode, key in ((r.mode, r.idempotency_key) for r in rollouts))
         assert {r.status for r in rollouts} == {"succeeded"}
         for r in rollouts:
             assert r.metadata == {"baseline_sample": r.idempotency_key}
