@@ -97,6 +97,10 @@ class Algorithm:
     def run(self, train_dataset: Sequence[Any] | None = None, val_dataset: Sequence[Any] | None = None) -> Any:
         raise NotImplementedError(f"{type(self).__name__} must implement run()")
 
+    def settings(self) -> dict[str, Any]:
+        """The settings that decide which rollouts ``run`` enqueues; part of a run's fingerprint (JSON)."""
+        return {}
+
     def expected_rollouts(
         self, train_dataset: Sequence[Any] | None = None, val_dataset: Sequence[Any] | None = None
     ) -> int | None:

@@ -66,10 +66,13 @@ def _dataset_part(dataset: Sequence[Any] | None) -> dict[str, Any]:
 def fit_fingerprint(
     algorithm: Any, train_dataset: Sequence[Any] | None, val_dataset: Sequence[Any] | None, initial_resources: Any
 ) -> dict[str, Any]:
-    """What a ``fit`` is started with: the algorithm's class, each dataset's size and hash, the resources' hash."""
+    """What a ``fit`` is started with: the algorithm's class and ``settings()``, each dataset's size and hash,
+    the initial resources' hash."""
     cls = type(algorithm)
+    settings = getattr(algorithm, "settings", None)
     return {
         "algorithm": f"{cls.__module__}.{cls.__qualname__}",
+        "settings": settings() if callable(settings) else {},
         "train": _dataset_part(train_dataset),
         "val": _dataset_part(val_dataset),
         "initial_resources": None if not initial_resources else content_digest(initial_resources),
@@ -89,6 +92,8 @@ def describe_changes(recorded: dict[str, Any], current: dict[str, Any]) -> list[
             changes.append(f"{part} dataset {old.get('items')} items → {new.get('items')} items")
         else:
             changes.append(f"{part} dataset: the same number of items ({new.get('items')}), other content or order")
+    if recorded.get("settings", {}) != current.get("settings", {}):
+        changes.append(f"algorithm settings {recorded.get('settings', {})} → {current.get('settings', {})}")
     if recorded.get("initial_resources") != current.get("initial_resources"):
         changes.append("initial resources changed")
     return changes or ["the recorded fingerprint differs"]

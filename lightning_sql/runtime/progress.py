@@ -69,7 +69,8 @@ class RunProgress:
                 except Exception as exc:  # noqa: BLE001 - a missed refresh is not worth stopping the run
                     logger.debug("Progress refresh failed: %s", exc)
                 else:
-                    goal = max(self.expected or 0, total)
+                    # The estimate guides the bar while the run goes; the end shows what the run holds.
+                    goal = total if last else max(self.expected or 0, total)
                     progress.update(
                         bar, completed=finished, total=goal or None, failed=f"{failed} failed" if failed else ""
                     )

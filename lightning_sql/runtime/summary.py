@@ -24,7 +24,17 @@ from lightning_sql.types import FINISHED_STATUSES, Rollout
 if TYPE_CHECKING:
     from lightning_sql.store.base import LightningStore
 
-__all__ = ["FailureGroup", "FitSummary", "VersionStats", "collect_summary", "reward_bar", "TRACEBACK_TAIL_LINES"]
+__all__ = [
+    "FailureGroup",
+    "FitSummary",
+    "VersionStats",
+    "collect_summary",
+    "final_reward",
+    "gather_chunked",
+    "reward_bar",
+    "version_table",
+    "TRACEBACK_TAIL_LINES",
+]
 
 TRACEBACK_TAIL_LINES = 4  # the end of a traceback: the failing line of the agent and the error
 READ_CONCURRENCY = 32  # per-rollout reads in flight while collecting a summary
@@ -100,8 +110,8 @@ class FitSummary:
     def __rich__(self) -> RenderableType:
         return self.render()
 
-    def render(self) -> RenderableType:
-        """The summary as rich renderables: a table by mode and status, then failures."""
+    def render(self, *, include_versions: bool = True) -> RenderableType:
+        """The summary as rich renderables: a table by mode and status, reward by version, then failures."""
         parts: list[RenderableType] = []
         title = f"run {escape(self.run)!s}" if self.run else "run"
         table = Table(title=title, title_justify="left")
@@ -122,7 +132,7 @@ class FitSummary:
             resumed = f", {self.finished_before} were finished before (resumed)" if self.finished_before else ""
             timing = f" in {self.wall_time_s:.1f} s" if self.wall_time_s is not None else ""
             parts.append(Text(f"{new} rollouts finished in this fit{timing}{resumed}."))
-        if len({(v.resources_id, v.version) for v in self.versions}) > 1:
+        if include_versions and len({(v.resources_id, v.version) for v in self.versions}) > 1:
             parts.append(version_table(self.versions))
         for group in self.failures:
             head = Text.assemble(
@@ -155,7 +165,7 @@ def version_table(versions: Sequence[VersionStats]) -> Table:
     table.add_column("mode")
     table.add_column("rollouts", justify="right")
     table.add_column("mean reward", justify="right")
-    table.add_column("")
+    table.add_column("", min_width=BAR_WIDTH, no_wrap=True)
     rewards = [v.mean_reward for v in versions if v.mean_reward is not None]
     low = min(0.0, *rewards) if rewards else 0.0
     high = max(1.0, *rewards) if rewards else 1.0
@@ -185,7 +195,8 @@ def _tail(traceback_text: str, lines: int = TRACEBACK_TAIL_LINES) -> str:
     return "\n".join(tail)
 
 
-async def _final_reward(store: LightningStore, rollout: Rollout) -> float | None:
+async def final_reward(store: LightningStore, rollout: Rollout) -> float | None:
+    """The last reward among the spans of the rollout's latest attempt (None: no reward recorded)."""
     spans = await store.query_spans(rollout.rollout_id, attempt_id="latest", name_contains="agentlightning.")
     values = [r for r in (reward_of(s) for s in spans) if r is not None]
     return values[-1] if values else None
@@ -203,7 +214,8 @@ async def _error_of(store: LightningStore, rollout: Rollout) -> dict[str, Any]:
     return {"type": f"attempt {attempt.status}", "message": "no error was recorded"}
 
 
-async def _gather_chunked(coroutines: list[Any]) -> list[Any]:
+async def gather_chunked(coroutines: list[Any]) -> list[Any]:
+    """``asyncio.gather`` in chunks of ``READ_CONCURRENCY`` (a store serves a bounded number at once)."""
     results: list[Any] = []
     for start in range(0, len(coroutines), READ_CONCURRENCY):
         results += await asyncio.gather(*coroutines[start : start + READ_CONCURRENCY])
@@ -219,7 +231,7 @@ async def collect_summary(store: LightningStore, run: str | None = None) -> FitS
     summary.counts = dict(counts)
 
     succeeded = [r for r in rollouts if r.status == "succeeded"]
-    rewards = await _gather_chunked([_final_reward(store, r) for r in succeeded])
+    rewards = await gather_chunked([final_reward(store, r) for r in succeeded])
     by_mode: dict[str, list[float]] = defaultdict(list)
     by_version: dict[tuple[str | None, int | None, str], list[float]] = defaultdict(list)
     for r, value in zip(succeeded, rewards, strict=True):
@@ -247,7 +259,7 @@ async def collect_summary(store: LightningStore, run: str | None = None) -> FitS
         )
 
     failed = [r for r in rollouts if r.status == "failed"]
-    errors = await _gather_chunked([_error_of(store, r) for r in failed])
+    errors = await gather_chunked([_error_of(store, r) for r in failed])
     groups: dict[str, list[tuple[Rollout, dict[str, Any]]]] = defaultdict(list)
     for r, error in zip(failed, errors, strict=True):
         groups[str(error.get("type") or "unknown error")].append((r, error))
