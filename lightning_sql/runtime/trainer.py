@@ -23,7 +23,7 @@ from lightning_sql.runtime.execution import (
     ExecutionStrategy,
     InProcessExecutionStrategy,
 )
-from lightning_sql.runtime.fit_session import announce_fit, prepare_fit, summarise_fit
+from lightning_sql.runtime.fit_session import FitStart, announce_fit, prepare_fit, summarise_fit
 from lightning_sql.runtime.hooks import Hook
 from lightning_sql.runtime.progress import RunProgress
 from lightning_sql.runtime.runner import LitAgentRunner, Runner
@@ -404,13 +404,16 @@ class Trainer:
         algorithm_bundle = _AlgorithmBundle(self, algorithm, train_dataset, val_dataset, progress)
         runner_bundle = _RunnerBundle(self.runner, agent, self.hooks)
         self.strategy.execute(algorithm_bundle, runner_bundle, self.store)
-        mark = getattr(self.store, "mark_run_finished", None)
-        if mark is not None:
-            asyncio.run(mark())
-        summary = asyncio.run(summarise_fit(self.store, start))
+        summary = asyncio.run(self._finish(start))
         if self.summary and console is not None:
             console.print(summary)
         return summary
+
+    async def _finish(self, start: FitStart) -> FitSummary:
+        mark = getattr(self.store, "mark_run_finished", None)
+        if mark is not None:
+            await mark()
+        return await summarise_fit(self.store, start)
 
     @staticmethod
     def _resolve_agent(agent: Any) -> LitAgent[Any]:
