@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar
 import psutil
 from opentelemetry.sdk.trace import ReadableSpan
 
+from lightning_sql.runtime.adapter import reward_of
 from lightning_sql.runtime.agent import LitAgent
 from lightning_sql.runtime.base import ParallelWorkerBase
 from lightning_sql.runtime.hooks import Hook
@@ -46,13 +47,16 @@ __all__ = [
     "system_snapshot",
     "clean_text",
     "error_metadata",
+    "final_reward_of",
     "ERROR_TRACEBACK_LIMIT",
+    "FINAL_REWARD_KEY",
 ]
 
 logger = logging.getLogger(__name__)
 
 T_task = TypeVar("T_task")
 
+FINAL_REWARD_KEY = "final_reward"  # attempt metadata: the attempt's last reward, written when it succeeds
 ERROR_TRACEBACK_LIMIT = 16_000  # characters of traceback kept in metadata["error"] (the end: where it failed)
 STOP_CHECK_INTERVAL_S = 0.1  # how often an idle runner looks at the stop event
 MIN_IDLE_WAIT_S = 0.01  # floor of poll_interval ± jitter
@@ -107,6 +111,12 @@ def _gpu_snapshot() -> list[dict[str, Any]]:
         return gpus
     except Exception:  # noqa: BLE001 - a heartbeat must not fail for lack of a GPU driver
         return []
+
+
+def final_reward_of(spans: Sequence[Any]) -> float | None:
+    """The last reward among an attempt's spans (None: no reward span)."""
+    values = [r for r in (reward_of(s) for s in spans if isinstance(s, Span)) if r is not None]
+    return values[-1] if values else None
 
 
 def clean_text(value: str) -> str:
@@ -430,7 +440,7 @@ class LitAgentRunner(Runner[T_task]):
             if interrupted:
                 await self._hand_back(store, lease)
             else:
-                await self._report(store, lease, error)
+                await self._report(store, lease, error, spans)
 
     async def _hand_back(self, store: LightningStore, lease: _Lease) -> None:
         """The runner is stopping mid-attempt: end the attempt as its lease expiry would, but now.
@@ -450,7 +460,13 @@ class LitAgentRunner(Runner[T_task]):
         except BaseException as exc:  # noqa: BLE001 - the lease recovers it anyway
             logger.warning("Could not hand back rollout %s: %r", lease.rollout_id, exc)
 
-    async def _report(self, store: LightningStore, lease: _Lease, error: BaseException | dict[str, str] | None) -> None:
+    async def _report(
+        self,
+        store: LightningStore,
+        lease: _Lease,
+        error: BaseException | dict[str, str] | None,
+        spans: Sequence[Any] = (),
+    ) -> None:
         if lease.lost_reason is not None:
             logger.warning(
                 "Abandoned rollout %s attempt %s: %s; not reporting", lease.rollout_id, lease.attempt_id, lease.lost_reason
@@ -458,7 +474,13 @@ class LitAgentRunner(Runner[T_task]):
             return
         try:
             if error is None:
-                await store.update_attempt(lease.rollout_id, lease.attempt_id, status="succeeded")
+                reward = final_reward_of(spans)
+                if reward is None:
+                    await store.update_attempt(lease.rollout_id, lease.attempt_id, status="succeeded")
+                else:
+                    # Kept with the attempt, so a summary of the run reads rewards with its rollouts.
+                    metadata = {**lease.metadata, FINAL_REWARD_KEY: reward}
+                    await store.update_attempt(lease.rollout_id, lease.attempt_id, status="succeeded", metadata=metadata)
             else:
                 details = error if isinstance(error, dict) else error_metadata(error)
                 metadata = {**lease.metadata, "error": details}

@@ -1,8 +1,10 @@
 """What a run amounts to: counts by mode and status, rewards, failures grouped by error type.
 
 ``Trainer.fit`` returns a :class:`FitSummary` (and prints it unless told not to).  Everything here
-is read through the public store API: rollouts, the latest attempt of failed rollouts (its
-``metadata["error"]``, written by the runner) and the reward spans of the latest attempts.
+is read through the public store API, mostly in one query: the rollouts with their latest attempt,
+whose metadata holds the error of a failed attempt and the final reward of a succeeded one (both
+written by the runner).  Rollouts finished by other runners, without a recorded reward, have their
+reward read from their spans.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from rich.table import Table
 from rich.text import Text
 
 from lightning_sql.runtime.adapter import reward_of
-from lightning_sql.types import FINISHED_STATUSES, Rollout
+from lightning_sql.runtime.runner import FINAL_REWARD_KEY
+from lightning_sql.types import FINISHED_STATUSES, AttemptedRollout, Rollout
 
 if TYPE_CHECKING:
     from lightning_sql.store.base import LightningStore
@@ -195,15 +198,24 @@ def _tail(traceback_text: str, lines: int = TRACEBACK_TAIL_LINES) -> str:
     return "\n".join(tail)
 
 
+def _recorded_reward(rollout: Rollout) -> float | None:
+    attempt = rollout.attempt if isinstance(rollout, AttemptedRollout) else None
+    value = (attempt.metadata or {}).get(FINAL_REWARD_KEY) if attempt is not None else None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
 async def final_reward(store: LightningStore, rollout: Rollout) -> float | None:
-    """The last reward among the spans of the rollout's latest attempt (None: no reward recorded)."""
+    """The last reward of the rollout's latest attempt: as its runner recorded it, else from its spans."""
+    recorded = _recorded_reward(rollout)
+    if recorded is not None:
+        return recorded
     spans = await store.query_spans(rollout.rollout_id, attempt_id="latest", name_contains="agentlightning.")
     values = [r for r in (reward_of(s) for s in spans) if r is not None]
     return values[-1] if values else None
 
 
 async def _error_of(store: LightningStore, rollout: Rollout) -> dict[str, Any]:
-    attempt = await store.get_latest_attempt(rollout.rollout_id)
+    attempt = rollout.attempt if isinstance(rollout, AttemptedRollout) else await store.get_latest_attempt(rollout.rollout_id)
     if attempt is None:
         return {"type": "no attempt", "message": "the rollout failed before any attempt started"}
     error = (attempt.metadata or {}).get("error")

@@ -137,3 +137,43 @@ def test_an_empty_trace_is_named_as_such(mp_backend: Any, caplog: pytest.LogCapt
         asyncio.run(store.close())
     assert "succeeded but stored no spans" in caplog.text
     assert "No spans provided" not in caplog.text
+
+
+def test_the_summary_reads_recorded_rewards_and_falls_back_to_spans(backend: Any) -> None:
+    from lightning_sql import emit_reward
+    from lightning_sql.runtime.runner import FINAL_REWARD_KEY
+    from lightning_sql.runtime.summary import collect_summary
+
+    async def go() -> None:
+        store = backend.open(run="rewards")
+        try:
+            # Written through the store API alone (no runner): the reward is only in a span.
+            by_hand = await store.start_rollout({"x": 1}, mode="val")
+            span = emit_reward(0.25, propagate=False)
+            span.rollout_id, span.attempt_id, span.sequence_id = by_hand.rollout_id, by_hand.attempt.attempt_id, 1
+            await store.add_span(span)
+            await store.update_attempt(by_hand.rollout_id, by_hand.attempt.attempt_id, status="succeeded")
+            # As a runner reports it: the reward recorded with the attempt (and no span to read).
+            recorded = await store.start_rollout({"x": 2}, mode="train")
+            await store.update_attempt(
+                recorded.rollout_id, recorded.attempt.attempt_id, status="succeeded", metadata={FINAL_REWARD_KEY: 0.75}
+            )
+            summary = await collect_summary(store, "rewards")
+            assert summary.mean_reward == {"train": 0.75, "val": 0.25}
+        finally:
+            await store.close()
+
+    asyncio.run(go())
+
+
+def test_runners_record_the_final_reward_with_the_attempt(mp_backend: Any) -> None:
+    store = mp_backend.open(run="recorded")
+    try:
+        _trainer(store, progress=False, summary=False).fit(agents.async_agent, [{"x": 1}, {"x": 2}])
+
+        async def read() -> list[Any]:
+            return [r.attempt.metadata for r in await store.query_rollouts()]  # type: ignore[union-attr]
+
+        assert asyncio.run(read()) == [{"final_reward": 0.5}, {"final_reward": 0.5}]
+    finally:
+        asyncio.run(store.close())
