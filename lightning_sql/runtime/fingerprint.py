@@ -100,12 +100,14 @@ def describe_changes(recorded: dict[str, Any], current: dict[str, Any]) -> list[
 
 
 async def check_fingerprint(
-    store: LightningStore, run: str | None, fingerprint: dict[str, Any], *, accept_changes: bool
+    store: LightningStore, run: str | None, fingerprint: dict[str, Any], *, accept_changes: bool, rollouts: int = 0
 ) -> list[str]:
     """Record the fingerprint at a run's first fit; refuse (or, accepted, record) another one later.
 
-    Returns the changes that were accepted (empty when nothing changed).  Stores that keep no run
-    metadata (no ``get_run`` / ``update_run_metadata``) are not checked.
+    ``rollouts`` is how many rollouts the run holds: a run with rollouts but no fingerprint was started
+    by an earlier lightning_sql or by another program, so its data cannot be compared.  Returns the
+    changes that were accepted (empty when nothing changed).  Stores that keep no run metadata (no
+    ``get_run`` / ``update_run_metadata``) are not checked.
 
     Raises:
         RunChangedError: the run was started with another fingerprint and ``accept_changes`` is false.
@@ -120,7 +122,17 @@ async def check_fingerprint(
     if recorded == fingerprint:
         return []
     changes: list[str] = []
-    if isinstance(recorded, dict):
+    if not isinstance(recorded, dict) and rollouts:
+        changes = [f"the run holds {rollouts} rollouts but no record of the data it was started with"]
+        if not accept_changes:
+            raise RunChangedError(
+                f"Run {run!r} holds {rollouts} rollouts but no record of the datasets it was started with (an "
+                "earlier lightning_sql or another program started it), so resuming cannot check that they are "
+                "the same; nothing was enqueued. Either use a new run name (Trainer(run=...)), or pass "
+                "Trainer(accept_changes=True) to resume it: samples are matched by content, and those finished "
+                "under another key scheme run again."
+            )
+    elif isinstance(recorded, dict):
         changes = describe_changes(recorded, fingerprint)
         if not accept_changes:
             raise RunChangedError(

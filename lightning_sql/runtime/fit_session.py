@@ -63,12 +63,15 @@ async def prepare_fit(
     if row is not None and row.status == "finished":
         start.run_was_finished = True
         start.finished_at = row.finished_at
-    if algorithm is not None:
-        fingerprint = fit_fingerprint(algorithm, train_dataset, val_dataset, initial_resources)
-        start.accepted_changes = await check_fingerprint(store, run, fingerprint, accept_changes=accept_changes)
     if row is not None:
         start.finished_before = (await store.query_rollouts(status_in=list(FINISHED_STATUSES), limit=0)).total
         start.total_before = (await store.query_rollouts(limit=0)).total
+    if algorithm is not None:
+        fingerprint = fit_fingerprint(algorithm, train_dataset, val_dataset, initial_resources)
+        start.accepted_changes = await check_fingerprint(
+            store, run, fingerprint, accept_changes=accept_changes, rollouts=start.total_before
+        )
+    if row is not None:
         start.recovery = await release_stopped_local_workers(store)
     return start
 

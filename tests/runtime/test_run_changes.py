@@ -125,3 +125,22 @@ def test_accepting_the_change_runs_only_the_new_samples(mp_backend: Any) -> None
         assert _fit(store, _items(25), val).new_this_fit == 0
     finally:
         asyncio.run(store.close())
+
+
+def test_a_run_without_a_fingerprint_is_refused_unless_accepted(mp_backend: Any) -> None:
+    store = mp_backend.open(run="legacy")
+    try:
+
+        async def legacy() -> None:  # as an earlier version left it: positional keys, no fingerprint
+            for i in range(3):
+                await store.enqueue_rollout({"x": i}, mode="train", idempotency_key=f"0:train:{i}")
+
+        asyncio.run(legacy())
+        with pytest.raises(RunChangedError, match="holds 3 rollouts but no record of the datasets"):
+            _fit(store, _items(3), [])
+        assert len(_state(store)["rollouts"]) == 3
+        summary = _fit(store, _items(3), [], accept_changes=True)
+        assert summary.new_this_fit == 6  # the three queued legacy rollouts ran too, next to ours
+        assert _fit(store, _items(3), []).new_this_fit == 0
+    finally:
+        asyncio.run(store.close())
