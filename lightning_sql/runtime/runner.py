@@ -57,7 +57,7 @@ logger = logging.getLogger(__name__)
 T_task = TypeVar("T_task")
 
 FINAL_REWARD_KEY = "final_reward"  # attempt metadata: the attempt's last reward, written when it succeeds
-ERROR_TRACEBACK_LIMIT = 16_000  # characters of traceback kept in metadata["error"] (the end: where it failed)
+ERROR_TRACEBACK_LIMIT = 16_000  # characters of traceback kept in metadata["error"] (the innermost frames)
 STOP_CHECK_INTERVAL_S = 0.1  # how often an idle runner looks at the stop event
 MIN_IDLE_WAIT_S = 0.01  # floor of poll_interval ± jitter
 MIN_SWEEP_INTERVAL_S = 1.0  # runner processes sweep at most once a second per store instance
@@ -130,7 +130,16 @@ def error_metadata(exc: BaseException) -> dict[str, str]:
     qualified = cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
     tb = "".join(traceback.format_exception(cls, exc, exc.__traceback__))
     if len(tb) > ERROR_TRACEBACK_LIMIT:
-        tb = "...(truncated)\n" + tb[-ERROR_TRACEBACK_LIMIT:]
+        # Keep the innermost frames and the start of the exception's own text: a huge message must
+        # not push the frames that say where it failed out of the limit.
+        only = "".join(traceback.format_exception_only(cls, exc))
+        frames = tb[: len(tb) - len(only)] if tb.endswith(only) else tb
+        if len(only) > ERROR_TRACEBACK_LIMIT // 4:
+            only = only[: ERROR_TRACEBACK_LIMIT // 4] + "...(truncated)\n"
+        room = ERROR_TRACEBACK_LIMIT - len(only)
+        if len(frames) > room:
+            frames = "...(truncated)\n" + frames[-room:]
+        tb = frames + only
     return {"type": clean_text(qualified), "message": clean_text(str(exc)), "traceback": clean_text(tb)}
 
 

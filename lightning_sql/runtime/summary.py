@@ -42,6 +42,7 @@ __all__ = [
 TRACEBACK_TAIL_LINES = 4  # the end of a traceback: the failing line of the agent and the error
 READ_CONCURRENCY = 32  # per-rollout reads in flight while collecting a summary
 BAR_WIDTH = 24  # characters of the widest reward bar
+MESSAGE_CHARS = 300  # an error message or traceback line is cut here (the store keeps it whole)
 
 
 @dataclass(frozen=True)
@@ -195,7 +196,7 @@ def _tail(traceback_text: str, lines: int = TRACEBACK_TAIL_LINES) -> str:
         line.lstrip().startswith("File ") for line in tail[1:]
     ):
         tail = tail[1:]  # start at a frame, not half-way through one
-    return "\n".join(tail)
+    return "\n".join(line if len(line) <= MESSAGE_CHARS else line[:MESSAGE_CHARS] + "…" for line in tail)
 
 
 def _recorded_reward(rollout: Rollout) -> float | None:
@@ -283,7 +284,7 @@ async def collect_summary(store: LightningStore, run: str | None = None) -> FitS
                 error_type=error_type,
                 count=len(occurrences),
                 first_rollout_id=first.rollout_id,
-                message=message if len(message) <= 300 else message[:300] + "…",
+                message=message if len(message) <= MESSAGE_CHARS else message[:MESSAGE_CHARS] + "…",
                 traceback_tail=_tail(str(error.get("traceback") or "")),
             )
         )

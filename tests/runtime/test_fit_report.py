@@ -177,3 +177,18 @@ def test_runners_record_the_final_reward_with_the_attempt(mp_backend: Any) -> No
         assert asyncio.run(read()) == [{"final_reward": 0.5}, {"final_reward": 0.5}]
     finally:
         asyncio.run(store.close())
+
+
+def test_a_huge_error_message_is_cut_in_the_summary(mp_backend: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    store = mp_backend.open(run="huge-error")
+    try:
+        summary = _trainer(store).fit(agents.AlwaysFails(), [{"x": 1}, {"x": 2}])
+        out = capsys.readouterr().out
+    finally:
+        asyncio.run(store.close())
+    (group,) = summary.failures
+    assert group.error_type == "ValueError" and group.count == 2
+    assert group.message.startswith("boom xxx") and len(group.message) == 301 and group.message.endswith("…")
+    assert all(len(line) <= 301 for line in group.traceback_tail.splitlines())
+    assert group.traceback_tail.splitlines()[-1].startswith("ValueError: boom xxx")
+    assert len(out) < 5_000  # the 50,000-character message is in the store, not on the screen
