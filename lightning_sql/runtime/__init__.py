@@ -19,8 +19,11 @@ from lightning_sql.runtime.execution import (
     InProcessExecutionStrategy,
     ProcessExecutionStrategy,
 )
+from lightning_sql.runtime.fingerprint import RunChangedError
 from lightning_sql.runtime.hooks import Hook
+from lightning_sql.runtime.prompt_search import PromptSearch
 from lightning_sql.runtime.runner import LitAgentRunner, Runner, system_snapshot
+from lightning_sql.runtime.summary import FitSummary
 from lightning_sql.runtime.tracer import (
     NoopTracer,
     OtelTracer,
@@ -47,6 +50,7 @@ __all__ = [
     "Algorithm",
     "FastAlgorithm",
     "Baseline",
+    "PromptSearch",
     "with_store",
     "ParallelWorkerBase",
     "ExecutionEvent",
@@ -65,6 +69,8 @@ __all__ = [
     "emit_object",
     "get_active_tracer",
     "Trainer",
+    "FitSummary",
+    "RunChangedError",
     "DEFAULT_ROLLOUT_CONFIG",
     "run_worker",
     "run_worker_async",

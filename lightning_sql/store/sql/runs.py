@@ -54,6 +54,11 @@ def mark_finished(ctx: UnitContext, run_id: int, now: float) -> Run:
     return run_from_row(ctx.execute(select(s.runs).where(s.runs.c.run_id == run_id)).one())
 
 
+def set_metadata(ctx: UnitContext, run_id: int, metadata: EncodedJson | None) -> Run:
+    ctx.execute(update(s.runs).where(s.runs.c.run_id == run_id).values(metadata=metadata))
+    return run_from_row(ctx.execute(select(s.runs).where(s.runs.c.run_id == run_id)).one())
+
+
 # Children first, so a crash between batches leaves a smaller but consistent run.
 _DELETE_ORDER: list[tuple[Any, list[str]]] = [
     (s.spans, ["id"]),

@@ -812,6 +812,14 @@ class SqlLightningStore(StoreInstance, LightningStore):
             "mark_run_finished", lambda ctx, run_id, now: run_units.mark_finished(ctx, run_id, now), write=True
         )
 
+    async def update_run_metadata(self, metadata: dict[str, Any] | None) -> Run:
+        """Replace the bound run's metadata (the constructor's ``run_metadata`` only sets it at creation)."""
+        self._check_writable("update_run_metadata")
+        payload = encoded(metadata, "run_metadata")
+        return await self._call(
+            "update_run_metadata", lambda ctx, run_id, now: run_units.set_metadata(ctx, run_id, payload), write=True
+        )
+
     async def delete_run(self, name: str) -> bool:
         """Delete a run and everything in it, in short batches; False for an unknown name."""
         self._check_writable("delete_run")
