@@ -320,9 +320,11 @@ class WorkerProcess:
     """``lightning-sql worker --url URL --run RUN --agent SPEC -n N [extra]``, with this checkout first on
     ``PYTHONPATH`` (the code under test, and the tests' agent modules); output goes to files."""
 
-    def __init__(self, url: str, run: str, agent: str, n: int, directory: Path, *extra: str) -> None:
+    def __init__(
+        self, url: str, run: str, agent: str, n: int, directory: Path, *extra: str, env: Mapping[str, str] | None = None
+    ) -> None:
         directory.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ)
+        env = {**os.environ, **(env or {})}
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
         env["COLUMNS"] = "400"  # one log record stays one line whatever handler prints it
         self.stdout_path = directory / "stdout.txt"
