@@ -60,14 +60,16 @@ async def test_workers_survive_database_outages_and_log_one_line_each(
     workers: list[WorkerProcess] = []
     started = time.monotonic()
 
-    def check_alive() -> None:
+    def check_alive(progress: str = "") -> None:
         dead = [w for w in workers if not w.alive()]
         assert dead == [], "a worker exited:\n" + "\n\n".join(w.describe() for w in dead)
-        assert time.monotonic() - started < RUN_TIMEOUT_S, f"the run took more than {RUN_TIMEOUT_S:.0f}s"
+        assert time.monotonic() - started < RUN_TIMEOUT_S, (
+            f"the run took more than {RUN_TIMEOUT_S:.0f}s ({progress}):\n" + "\n\n".join(w.describe() for w in workers)
+        )
 
     async def until_succeeded(count: int) -> None:
-        while await _succeeded(observer) < count:
-            check_alive()
+        while (done := await _succeeded(observer)) < count:
+            check_alive(f"{done} of {n_rollouts} succeeded, waiting for {count}")
             await asyncio.sleep(0.1)
 
     try:
