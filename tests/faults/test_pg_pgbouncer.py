@@ -48,9 +48,11 @@ def role_database(throwaway_pg: ThrowawayPostgres) -> str:
 
 def direct_connections(server_port: int) -> int:
     """This process's open TCP connections to the cluster itself (not to the bouncer)."""
+    process = psutil.Process()
+    listing = getattr(process, "net_connections", None) or process.connections  # psutil < 6: connections()
     return sum(
         1
-        for conn in psutil.Process().net_connections(kind="tcp")
+        for conn in listing(kind="tcp")
         if conn.raddr and conn.raddr.port == server_port and conn.status == psutil.CONN_ESTABLISHED
     )
 
