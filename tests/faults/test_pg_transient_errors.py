@@ -59,6 +59,15 @@ async def exclusive_lock(pg: ThrowawayPostgres, database: str, table: str) -> As
         await conn.close()
 
 
+async def limit_to_one_connection(pg: ThrowawayPostgres, role: str) -> None:
+    """CONNECTION LIMIT 1 for ``role``, once the set-up store's connections are gone."""
+    deadline = time.monotonic() + 30
+    while await pg.connections_of(role):
+        assert time.monotonic() < deadline, f"the set-up store left connections of {role} open"
+        await asyncio.sleep(0.05)
+    await pg.execute(f'ALTER ROLE "{role}" CONNECTION LIMIT 1')
+
+
 async def _timed(call: asyncio.Future[object] | object) -> tuple[float, object]:
     started = time.monotonic()
     try:
@@ -159,8 +168,7 @@ async def test_role_connection_limit_reached_at_start_up_is_waited_out(throwaway
         await setup.enqueue_rollout({"i": 0})  # schema and run exist; the limit comes next
     finally:
         await setup.close()
-    await throwaway_pg.execute(f'ALTER ROLE "{role}" CONNECTION LIMIT 1')
-
+    await limit_to_one_connection(throwaway_pg, role)
     squatter = await asyncpg.connect(url)  # the role's only slot
     store = SqlLightningStore(url, run="slot", schema=SCHEMA, connect_deadline_seconds=slot_seconds + 60)
     try:
@@ -196,7 +204,7 @@ async def test_role_connection_limit_past_the_deadline_raises_store_unavailable(
         await setup.enqueue_rollout({"i": 0})
     finally:
         await setup.close()
-    await throwaway_pg.execute(f'ALTER ROLE "{role}" CONNECTION LIMIT 1')
+    await limit_to_one_connection(throwaway_pg, role)
     squatter = await asyncpg.connect(url)
     store = SqlLightningStore(url, run="slot", schema=SCHEMA, connect_deadline_seconds=SHORT_DEADLINE_S)
     try:
