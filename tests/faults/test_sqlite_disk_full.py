@@ -64,7 +64,7 @@ def full_disk(disk: Path, database: Path) -> Iterator[None]:
         finally:
             checkpoint.close()
         filler = fill_disk(disk)
-        if busy == 0 and wal.stat().st_size == 0:
+        if busy == 0 and (not wal.exists() or wal.stat().st_size == 0):
             break
         filler.unlink()  # a reader or a write came in between: again
         time.sleep(0.05)
