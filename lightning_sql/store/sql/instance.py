@@ -145,6 +145,15 @@ class StoreInstance:
                 raise ValueError(
                     f"Unknown engine option {key!r} for the {target.dialect} backend (allowed: {sorted(allowed)})"
                 )
+        pool_size = engine_options.get("pool_size", 1)
+        if isinstance(pool_size, bool) or not isinstance(pool_size, int):
+            raise TypeError(f"pool_size must be an int, got {pool_size!r}")
+        if pool_size < 1:
+            raise ValueError(f"pool_size must be >= 1, got {pool_size!r}")
+        if not isinstance(engine_options.get("listen", True), bool):
+            raise TypeError(f"listen must be a bool, got {engine_options['listen']!r}")
+        if "listen_url" in engine_options:
+            normalise_url(engine_options["listen_url"])  # a clear error now rather than a silent poll later
         if run_metadata is not None:
             encoded(run_metadata, "run_metadata")
 
