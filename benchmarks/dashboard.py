@@ -162,7 +162,6 @@ async def measure(url: str, schema: str | None, n_rollouts: int, repeat: int) ->
     event.listen(sync_engine, "before_cursor_execute", before)
     event.listen(sync_engine, "after_cursor_execute", after)
     app = Starlette(routes=dashboard.routes)
-    last = f"ro-{n_rollouts - 2:012x}"
     run_id = None
     results = []
     try:
@@ -171,8 +170,8 @@ async def measure(url: str, schema: str | None, n_rollouts: int, repeat: int) ->
             home.raise_for_status()
             async with dashboard.db.engine.connect() as conn:
                 run_id = (await conn.execute(select(runs.c.run_id).where(runs.c.name == RUN))).scalar_one()
-                span_pk = (await conn.execute(select(spans.c.id).where(
-                    spans.c.run_id == run_id, spans.c.rollout_id == last).limit(1))).scalar_one()
+                span_pk, last = (await conn.execute(select(spans.c.id, spans.c.rollout_id).where(
+                    spans.c.run_id == run_id).order_by(spans.c.id.desc()).limit(1))).one()
             pages = {
                 "runs": "/",
                 "run": f"/runs/{run_id}",
@@ -203,19 +202,29 @@ async def measure(url: str, schema: str | None, n_rollouts: int, repeat: int) ->
     return results
 
 
-async def run_backend(backend: str, n_rollouts: int, spans_per_rollout: int, repeat: int, workdir: str) -> None:
+async def run_backend(
+    backend: str, n_rollouts: int, spans_per_rollout: int, repeat: int, workdir: str, keep: bool
+) -> None:
+    """Seed (unless ``keep`` finds the store of an earlier ``--keep`` run) and measure."""
     schema = None
     if backend == "sqlite":
-        url = f"sqlite:///{os.path.join(workdir, 'bench.db')}"
+        path = os.path.join(workdir, f"dashboard-bench-{n_rollouts}x{spans_per_rollout}.db")
+        url = f"sqlite:///{path}"
+        reuse = keep and os.path.exists(path)
     else:
-        url, schema = PG_URL, f"bench_{uuid.uuid4().hex[:10]}"
-    t = time.perf_counter()
-    await seed(url, schema, n_rollouts, spans_per_rollout)
-    print(f"\n{backend}: seeded {n_rollouts} rollouts x {spans_per_rollout} spans in {time.perf_counter() - t:.1f} s")
+        schema = f"dashboard_bench_{n_rollouts}x{spans_per_rollout}" if keep else f"bench_{uuid.uuid4().hex[:10]}"
+        url = PG_URL
+        reuse = keep and await _schema_exists(schema)
+    if reuse:
+        print(f"\n{backend}: reusing the store seeded earlier ({n_rollouts} rollouts x {spans_per_rollout} spans)")
+    else:
+        t = time.perf_counter()
+        await seed(url, schema, n_rollouts, spans_per_rollout)
+        print(f"\n{backend}: seeded {n_rollouts} rollouts x {spans_per_rollout} spans in {time.perf_counter() - t:.1f} s")
     try:
         results = await measure(url, schema, n_rollouts, repeat)
     finally:
-        if schema:
+        if schema and not keep:
             engine = create_async_engine(normalise_url(url).url)
             async with engine.begin() as conn:
                 await conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
@@ -225,17 +234,37 @@ async def run_backend(backend: str, n_rollouts: int, spans_per_rollout: int, rep
         print(f"{label:<30}{db_ms:>12.1f}{wall_ms:>12.1f}")
 
 
+async def _schema_exists(schema: str) -> bool:
+    engine = create_async_engine(normalise_url(PG_URL).url)
+    try:
+        async with engine.connect() as conn:
+            found = await conn.execute(
+                text("SELECT 1 FROM information_schema.schemata WHERE schema_name = :s"), {"s": schema}
+            )
+            return found.first() is not None
+    finally:
+        await engine.dispose()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rollouts", type=int, default=2000)
     parser.add_argument("--spans-per-rollout", type=int, default=10)
     parser.add_argument("--backend", choices=("sqlite", "postgres", "both"), default="sqlite")
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument(
+        "--keep",
+        metavar="DIR",
+        help="keep the seeded stores (SQLite file in DIR, PostgreSQL schema dashboard_bench_<size>) and reuse them",
+    )
     args = parser.parse_args(argv)
     backends = ("sqlite", "postgres") if args.backend == "both" else (args.backend,)
-    with tempfile.TemporaryDirectory() as workdir:
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = args.keep or tmp
         for backend in backends:
-            asyncio.run(run_backend(backend, args.rollouts, args.spans_per_rollout, args.repeat, workdir))
+            asyncio.run(
+                run_backend(backend, args.rollouts, args.spans_per_rollout, args.repeat, workdir, args.keep is not None)
+            )
     return 0
 
 
