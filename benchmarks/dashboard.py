@@ -28,7 +28,15 @@ from starlette.applications import Starlette
 
 from lightning_sql import SqlLightningStore
 from lightning_sql.server.dashboard import Dashboard
-from lightning_sql.store.sql.schema import attempts, resource_versions, resources, rollouts, runs, spans, workers
+from lightning_sql.store.sql.schema import (
+    attempts,
+    resource_versions,
+    resources,
+    rollouts,
+    runs,
+    spans,
+    workers,
+)
 from lightning_sql.store.sql.urls import normalise_url
 
 PG_URL = os.environ.get("LIGHTNING_SQL_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
@@ -41,7 +49,7 @@ ERRORS = ("ValueError", "TimeoutError", "KeyError")
 
 
 def _hex(rng: random.Random, n: int) -> str:
-    return "%0*x" % (n, rng.getrandbits(n * 4))
+    return f"{rng.getrandbits(n * 4):0{n}x}"
 
 
 def _rows(run_id: int, n_rollouts: int, spans_per_rollout: int) -> Iterator[tuple[str, list[dict[str, Any]]]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from jinja2 import Environment
@@ -29,51 +29,55 @@ ROLLOUT_MODES = ("train", "val", "test", "none")
 ROLLOUT_STATUSES = ("queuing", "preparing", "running", "requeuing", "succeeded", "failed", "cancelled")
 
 
+FINISHED = ("succeeded", "failed", "cancelled")
+
+
 @dataclass
 class RunStats:
-    counts: dict[str, int]
-    total: int
-    in_flight: int
-    finished_recently: int
-    first_start: float | None
-    last_activity: float | None
-    last_heartbeat: float | None
-    workers: int
+    """A run's figures: whole-run counts (from the status index) and its latest sign of life."""
+
+    created_at: float
+    counts: dict[str, int] = field(default_factory=dict)
+    last_activity: float | None = None
+    workers: int = 0
 
     @property
-    def throughput_per_minute(self) -> float:
-        return self.finished_recently / (queries.THROUGHPUT_WINDOW_SECONDS / 60.0)
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    @property
+    def in_flight(self) -> int:
+        return sum(n for status, n in self.counts.items() if status in IN_FLIGHT)
+
+    @property
+    def finished(self) -> int:
+        return sum(n for status, n in self.counts.items() if status in FINISHED)
+
+    @property
+    def average_per_minute(self) -> float:
+        """Finished rollouts per minute over the run's life so far."""
+        if self.last_activity is None or self.last_activity <= self.created_at:
+            return 0.0
+        return self.finished / ((self.last_activity - self.created_at) / 60.0)
 
 
-def _max(*values: float | None) -> float | None:
+def _latest(*values: float | None) -> float | None:
     present = [v for v in values if v is not None]
     return max(present) if present else None
 
 
-def _min(*values: float | None) -> float | None:
-    present = [v for v in values if v is not None]
-    return min(present) if present else None
-
-
-def _stats(rows: Any, heartbeats: Any) -> dict[int, RunStats]:
-    """Per run: the figures of ``rollout_stats``/``run_overview`` rows (several rows per status add up)
-    and of ``worker_heartbeats``."""
-    out: dict[int, RunStats] = {}
-    for row in rows:
-        s = out.setdefault(row.run_id, RunStats({}, 0, 0, 0, None, None, None, 0))
-        s.counts[row.status] = s.counts.get(row.status, 0) + row.n
-        s.total += row.n
-        if row.status in IN_FLIGHT:
-            s.in_flight += row.n
-        s.finished_recently += int(row.recent or 0)
-        s.first_start = _min(s.first_start, row.first_start)
-        s.last_activity = _max(s.last_activity, row.last_start, row.last_end)
-    for row in heartbeats:
-        s = out.setdefault(row.run_id, RunStats({}, 0, 0, 0, None, None, None, 0))
-        s.last_heartbeat = row.last_heartbeat
-        s.workers = row.n
-        s.last_activity = _max(s.last_activity, row.last_heartbeat)
-    return out
+def _run_stats(run: Any, count_rows: Any, worker_rows: Any) -> RunStats:
+    stats = RunStats(run.created_at, last_activity=_latest(run.newest_start, run.finished_at))
+    for row in count_rows:
+        if row.run_id == run.run_id:
+            stats.counts[row.status] = row.n
+    for row in worker_rows:
+        if row.run_id == run.run_id:
+            stats.workers = row.n
+            stats.last_activity = _latest(
+                stats.last_activity, row.last_heartbeat, row.last_dequeue, row.last_busy, row.last_idle
+            )
+    return stats
 
 
 @dataclass
@@ -139,6 +143,7 @@ class Pages:
         return HTMLResponse(html, status_code=status_code, headers={"Cache-Control": "no-store"})
 
     async def _run(self, run_id: int) -> Any:
+        """The run's row, or a 404 page."""
         rows = await self.db.rows(queries.run_row(run_id))
         if not rows:
             raise HTTPException(404, f"No run with id {run_id}")
@@ -151,43 +156,54 @@ class Pages:
     # --- runs -----------------------------------------------------------------------------------
 
     async def runs(self, request: Request) -> Response:
-        now = self.clock()
-        run_rows, stat_rows, beat_rows = await self.db.many(
-            queries.run_list(),
-            queries.rollout_stats(now - queries.THROUGHPUT_WINDOW_SECONDS),
-            queries.worker_heartbeats(),
+        run_rows, count_rows, worker_rows = await self.db.many(
+            queries.run_list_with_activity(), queries.status_counts(), queries.worker_heartbeats()
         )
-        stats = _stats(stat_rows, beat_rows)
-        empty = RunStats({}, 0, 0, 0, None, None, None, 0)
-        items = [(run, stats.get(run.run_id, empty)) for run in run_rows]
-        live = any(s.in_flight for _r, s in items)
+        items = [(run, _run_stats(run, count_rows, worker_rows)) for run in run_rows]
+        live = any(stats.in_flight for _run, stats in items)
         return self.render(request, "runs.html", items=items, statuses=ROLLOUT_STATUSES, live=live)
 
     # --- one run --------------------------------------------------------------------------------
 
     async def run(self, request: Request) -> Response:
         run_id = self._run_id(request)
-        run = await self._run(run_id)
         now = self.clock()
-        since = now - queries.THROUGHPUT_WINDOW_SECONDS
-        bounds, beat_rows, window_rows = await self.db.many(
-            queries.start_bounds(run_id), queries.worker_heartbeats(run_id), queries.reward_window(run_id)
+        run_rows, count_rows, worker_rows, positions = await self.db.many(
+            queries.run_row(run_id),
+            queries.status_counts(run_id),
+            queries.worker_heartbeats(run_id),
+            queries.window_positions(run_id),
         )
-        first, last = bounds[0] if bounds else (None, None)
-        origin = first if first is not None else now
-        # Clocks step back: the newest rollout's enqueue time bounds the axis, not a scan for the
-        # maximum; anything outside lands in the first or last interval.
-        width = max((last or origin) - origin, MIN_AXIS_SECONDS) / BUCKETS * (1 + 1e-9)
-        overview_rows, failure_rows, worker_rows = await self.db.many(
-            queries.run_overview(self.db.dialect, run_id, since, origin, width),
-            queries.failures(run_id),
+        if not run_rows:
+            raise HTTPException(404, f"No run with id {run_id}")
+        run = run_rows[0]
+        seqs = [row.create_seq for row in positions]
+        # A window covering the whole run needs no bound.
+        threshold = seqs[-1] if len(seqs) >= queries.WINDOW else None
+        reward_threshold = seqs[queries.REWARD_WINDOW - 1] if len(seqs) >= queries.REWARD_WINDOW else None
+        bounds, window_rows, failure_rows, workers = await self.db.many(
+            queries.window_bounds(run_id, threshold),
+            queries.reward_window(run_id, reward_threshold),
+            queries.failures(run_id, threshold),
             queries.worker_list(run_id),
         )
-        stats = _stats(overview_rows, beat_rows).get(run_id, RunStats({}, 0, 0, 0, None, None, None, 0))
+        first_start, last_start, last_end = bounds[0] if bounds else (None, None, None)
+        stats = _run_stats(run, count_rows, worker_rows)
+        stats.last_activity = _latest(stats.last_activity, last_start, last_end)
+        origin = first_start if first_start is not None else now
+        # Clocks step back: what falls outside the axis joins its first or last interval.
+        width = max((last_start or origin) - origin, MIN_AXIS_SECONDS) / BUCKETS * (1 + 1e-9)
+        overview_rows = await self.db.rows(
+            queries.window_overview(
+                self.db.dialect, run_id, threshold, now - queries.THROUGHPUT_WINDOW_SECONDS, origin, width
+            )
+        )
         counts: dict[tuple[int, str], int] = {}
+        recent = 0
         for row in overview_rows:
             key = (min(max(int(row.b), 0), BUCKETS - 1), row.status)
             counts[key] = counts.get(key, 0) + row.n
+            recent += int(row.recent or 0)
         status_chart = charts.stacked_status_bars(counts, BUCKETS, origin, width)
         reward_chart, version_chart, version_rows = _reward_charts(window_rows)
         failure_groups: dict[str, Any] = {}
@@ -200,15 +216,18 @@ class Pages:
             "run.html",
             run=run,
             stats=stats,
+            recent_per_minute=recent / (queries.THROUGHPUT_WINDOW_SECONDS / 60.0),
             statuses=ROLLOUT_STATUSES,
             status_chart=status_chart,
             reward_chart=reward_chart,
             version_chart=version_chart,
             version_rows=version_rows,
-            reward_window=queries.REWARD_WINDOW,
+            window=len(seqs),
+            windowed=threshold is not None,
+            reward_window=min(len(seqs), queries.REWARD_WINDOW),
             failures=list(failure_groups.values()),
             examples=examples,
-            workers=worker_rows,
+            workers=workers,
             live=stats.in_flight > 0,
         )
 
@@ -252,11 +271,13 @@ class Pages:
         f = self._filter(request)
         run = await self._run(run_id)
         dialect = self.db.dialect
-        page_rows, count_rows, version_rows = await self.db.many(
-            queries.rollout_page(dialect, run_id, f),
-            queries.rollout_count(dialect, run_id, f),
-            queries.version_choices(run_id),
+        page_rows, version_rows = await self.db.many(
+            queries.rollout_page(dialect, run_id, f), queries.version_choices(run_id)
         )
+        if f.page == 1 and len(page_rows) < PAGE_SIZE:
+            total = len(page_rows)  # the first page holds every match: no second pass to count them
+        else:
+            total = int((await self.db.rows(queries.rollout_count(dialect, run_id, f)))[0][0])
         ids = [row.rollout_id for row in page_rows]
         summaries: dict[str, Any] = {}
         inputs: dict[str, Any] = {}
@@ -264,7 +285,6 @@ class Pages:
             summary_rows, input_rows = await self.db.many(queries.summaries(run_id, ids), queries.inputs(run_id, ids))
             summaries = {row.rollout_id: row for row in summary_rows}
             inputs = {row.rollout_id: row.input for row in input_rows}
-        total = int(count_rows[0][0]) if count_rows else 0
         versions = [row.version for row in version_rows]
         rows = [(summaries.get(rid), inputs.get(rid), rid) for rid in ids]
         live = any(s is not None and s.status in IN_FLIGHT for s, _i, _r in rows)
@@ -274,8 +294,9 @@ class Pages:
             run=run,
             f=f,
             rows=rows,
-            total=total,
-            pages=max(1, math.ceil(total / PAGE_SIZE)),
+            total=min(total, queries.COUNT_LIMIT),
+            more=total > queries.COUNT_LIMIT,
+            pages=max(1, math.ceil(min(total, queries.COUNT_LIMIT) / PAGE_SIZE)),
             statuses=ROLLOUT_STATUSES,
             modes=ROLLOUT_MODES,
             versions=versions,
@@ -372,15 +393,10 @@ class Pages:
         ids = await self.db.rows(queries.resource_ids(run_id))
         chosen = request.query_params.get("id") or (ids[0].resources_id if ids else None)
         history: list[Any] = []
-        per_version: dict[int | None, int] = {}
         diff = None
         a = b = None
         if chosen is not None:
-            history_rows, count_rows = await self.db.many(
-                queries.resource_history(run_id, chosen), queries.rollouts_per_version(run_id, chosen)
-            )
-            history = list(history_rows)
-            per_version = {row.resources_version: row.n for row in count_rows}
+            history = list(await self.db.rows(queries.resource_history(run_id, chosen)))
             if not history and request.query_params.get("id"):
                 raise HTTPException(404, "No resources with that id in this run")
             versions = [row.version for row in history]
@@ -403,7 +419,6 @@ class Pages:
             ids=ids,
             chosen=chosen,
             history=history,
-            per_version=per_version,
             a=a,
             b=b,
             diff=diff,

@@ -2,8 +2,14 @@
 
 Every statement filters on ``run_id`` first and reads through an index of ``docs/schema.md``'s table;
 aggregates run in the database and pages are bounded by ``LIMIT``, so no page holds a run in memory.
-Charts of rewards read the latest ``REWARD_WINDOW`` rollouts (their final reward comes from
-``rollout_summary_v1``, one short range of ``ix_spans_reward`` per rollout).
+
+Whole-run figures come from indexes alone: counts per status from ``ix_rollouts_run_id_status``, the
+newest rollout from ``ix_rollouts_run_id_create_seq``.  What needs a row's columns (times, rewards,
+errors) reads a window of the run's newest rollouts: ``WINDOW`` for the status chart, the recent
+throughput and the failures, ``REWARD_WINDOW`` for the reward charts (a final reward is one short
+range of ``ix_spans_reward`` per rollout, through ``rollout_summary_v1``).  A window is a range
+``create_seq >= threshold`` of ``ix_rollouts_run_id_create_seq``; the thresholds come from one
+statement, ``window_positions``.
 """
 
 from __future__ import annotations
@@ -14,7 +20,15 @@ from typing import Any
 from sqlalchemy import Integer, Select, String, and_, case, cast, func, literal, or_, select
 from sqlalchemy.sql.elements import ColumnElement
 
-from lightning_sql.store.sql.schema import attempts, resource_versions, resources, rollouts, runs, spans, workers
+from lightning_sql.store.sql.schema import (
+    attempts,
+    resource_versions,
+    resources,
+    rollouts,
+    runs,
+    spans,
+    workers,
+)
 from lightning_sql.store.sql.views import VIEW_TABLES
 
 summary_v = VIEW_TABLES["rollout_summary_v1"]
@@ -22,7 +36,9 @@ attempts_v = VIEW_TABLES["attempts_v1"]
 
 IN_FLIGHT = ("queuing", "preparing", "running", "requeuing")
 FAILED_ATTEMPT = ("failed", "timeout", "unresponsive")
+WINDOW = 5000
 REWARD_WINDOW = 2000
+COUNT_LIMIT = 10_000
 PAGE_SIZE = 50
 SPAN_LIMIT = 2000
 THROUGHPUT_WINDOW_SECONDS = 600.0
@@ -47,34 +63,58 @@ def bucket(dialect: str, value: ColumnElement[Any], origin: float, width: float)
 # --- runs ---------------------------------------------------------------------------------------
 
 
-def run_list() -> Select[Any]:
-    return select(runs.c.run_id, runs.c.name, runs.c.status, runs.c.created_at, runs.c.finished_at).order_by(
-        runs.c.run_id.desc()
-    )
-
-
 def run_row(run_id: int) -> Select[Any]:
     return select(
-        runs.c.run_id, runs.c.name, runs.c.status, runs.c.created_at, runs.c.finished_at, runs.c.metadata
+        runs.c.run_id,
+        runs.c.name,
+        runs.c.status,
+        runs.c.created_at,
+        runs.c.finished_at,
+        newest_start(runs.c.run_id).label("newest_start"),
     ).where(runs.c.run_id == run_id)
 
 
-def rollout_stats(since: float) -> Select[Any]:
-    """Per run and status: count, latest enqueue, latest finish, finished since ``since``."""
+def status_counts(run_id: int | None = None) -> Select[Any]:
+    """Rollouts per run and status (an index-only read of ``ix_rollouts_run_id_status``)."""
+    stmt = select(rollouts.c.run_id, rollouts.c.status, func.count().label("n")).group_by(
+        rollouts.c.run_id, rollouts.c.status
+    )
+    if run_id is not None:
+        stmt = stmt.where(rollouts.c.run_id == run_id)
+    return stmt
+
+
+def newest_start(run_id: Any) -> Any:
+    """Enqueue time of the run's newest rollout (``run_id`` a value or a correlated column)."""
+    return (
+        select(rollouts.c.start_time)
+        .where(rollouts.c.run_id == run_id)
+        .order_by(rollouts.c.create_seq.desc())
+        .limit(1)
+        .scalar_subquery()
+    )
+
+
+def run_list_with_activity() -> Select[Any]:
     return select(
-        rollouts.c.run_id,
-        rollouts.c.status,
-        func.count().label("n"),
-        func.max(rollouts.c.start_time).label("last_start"),
-        func.max(rollouts.c.end_time).label("last_end"),
-        func.sum(case((rollouts.c.end_time >= since, 1), else_=0)).label("recent"),
-        func.min(rollouts.c.start_time).label("first_start"),
-    ).group_by(rollouts.c.run_id, rollouts.c.status)
+        runs.c.run_id,
+        runs.c.name,
+        runs.c.status,
+        runs.c.created_at,
+        runs.c.finished_at,
+        newest_start(runs.c.run_id).label("newest_start"),
+    ).order_by(runs.c.run_id.desc())
 
 
 def worker_heartbeats(run_id: int | None = None) -> Select[Any]:
+    """Per run: the workers' latest sign of life (heartbeat, claim, busy or idle report) and their number."""
     stmt = select(
-        workers.c.run_id, func.max(workers.c.last_heartbeat_time).label("last_heartbeat"), func.count().label("n")
+        workers.c.run_id,
+        func.max(workers.c.last_heartbeat_time).label("last_heartbeat"),
+        func.max(workers.c.last_dequeue_time).label("last_dequeue"),
+        func.max(workers.c.last_busy_time).label("last_busy"),
+        func.max(workers.c.last_idle_time).label("last_idle"),
+        func.count().label("n"),
     ).group_by(workers.c.run_id)
     if run_id is not None:
         stmt = stmt.where(workers.c.run_id == run_id)
@@ -84,41 +124,47 @@ def worker_heartbeats(run_id: int | None = None) -> Select[Any]:
 # --- one run ------------------------------------------------------------------------------------
 
 
-def start_bounds(run_id: int) -> Select[Any]:
-    """Enqueue times of the run's first and latest rollouts (two ends of ``ix_rollouts_run_id_create_seq``)."""
-
-    def edge(descending: bool) -> Any:
-        order = rollouts.c.create_seq.desc() if descending else rollouts.c.create_seq.asc()
-        return (
-            select(rollouts.c.start_time).where(rollouts.c.run_id == run_id).order_by(order).limit(1).scalar_subquery()
-        )
-
-    return select(edge(False).label("first"), edge(True).label("last"))
-
-
-def run_overview(dialect: str, run_id: int, since: float, origin: float, width: float) -> Select[Any]:
-    """One pass over the run's rollouts: per enqueue-time interval and status, the count, the latest
-    enqueue and finish, and how many finished since ``since`` (the page's figures and its chart)."""
-    b = bucket(dialect, rollouts.c.start_time, origin, width).label("b")
+def window_positions(run_id: int) -> Select[Any]:
+    """``create_seq`` of the run's newest ``WINDOW`` rollouts, newest first (a walk down the index)."""
     return (
-        select(
-            rollouts.c.run_id,
-            b,
-            rollouts.c.status,
-            func.count().label("n"),
-            func.max(rollouts.c.start_time).label("last_start"),
-            func.max(rollouts.c.end_time).label("last_end"),
-            func.sum(case((rollouts.c.end_time >= since, 1), else_=0)).label("recent"),
-            func.min(rollouts.c.start_time).label("first_start"),
-        )
+        select(rollouts.c.create_seq)
         .where(rollouts.c.run_id == run_id)
-        .group_by(rollouts.c.run_id, b, rollouts.c.status)
+        .order_by(rollouts.c.create_seq.desc())
+        .limit(WINDOW)
     )
 
 
-def reward_window(run_id: int) -> Select[Any]:
-    """Mode, resources, time and final reward of the latest ``REWARD_WINDOW`` rollouts that have one."""
-    window = latest_rollout_ids(run_id, REWARD_WINDOW).scalar_subquery()
+def in_window(threshold: int | None) -> list[ColumnElement[bool]]:
+    return [] if threshold is None else [rollouts.c.create_seq >= threshold]
+
+
+def window_bounds(run_id: int, threshold: int | None) -> Select[Any]:
+    return select(
+        func.min(rollouts.c.start_time), func.max(rollouts.c.start_time), func.max(rollouts.c.end_time)
+    ).where(rollouts.c.run_id == run_id, *in_window(threshold))
+
+
+def window_overview(
+    dialect: str, run_id: int, threshold: int | None, since: float, origin: float, width: float
+) -> Select[Any]:
+    """Per enqueue-time interval and status, over the window: the count, and how many finished
+    since ``since``."""
+    b = bucket(dialect, rollouts.c.start_time, origin, width).label("b")
+    return (
+        select(
+            b,
+            rollouts.c.status,
+            func.count().label("n"),
+            func.sum(case((rollouts.c.end_time >= since, 1), else_=0)).label("recent"),
+        )
+        .where(rollouts.c.run_id == run_id, *in_window(threshold))
+        .group_by(b, rollouts.c.status)
+    )
+
+
+def reward_window(run_id: int, threshold: int | None) -> Select[Any]:
+    """Mode, resources, time and final reward of the window's rollouts that have one."""
+    window = select(rollouts.c.rollout_id).where(rollouts.c.run_id == run_id, *in_window(threshold))
     return select(
         summary_v.c.mode,
         summary_v.c.resources_id,
@@ -127,23 +173,14 @@ def reward_window(run_id: int) -> Select[Any]:
         summary_v.c.final_reward,
     ).where(
         summary_v.c.run_id == run_id,
-        summary_v.c.rollout_id.in_(window),
+        summary_v.c.rollout_id.in_(window.scalar_subquery()),
         summary_v.c.final_reward.isnot(None),
     )
 
 
-def latest_rollout_ids(run_id: int, limit: int) -> Select[Any]:
-    return (
-        select(rollouts.c.rollout_id)
-        .where(rollouts.c.run_id == run_id)
-        .order_by(rollouts.c.create_seq.desc())
-        .limit(limit)
-    )
-
-
-def failures(run_id: int, per_kind: int = 3) -> Select[Any]:
-    """Failed attempts grouped by error type (the agent's ``error.type``, else ``(status)``) in one
-    pass: each kind's count and latest examples."""
+def failures(run_id: int, threshold: int | None, per_kind: int = 3) -> Select[Any]:
+    """Failed attempts of the window's rollouts grouped by error type (the agent's ``error.type``,
+    else ``(status)``) in one pass: each kind's count and latest examples."""
     kind = func.coalesce(attempts_v.c.error_type, literal("(") + attempts_v.c.status + literal(")"))
     ranked = (
         select(
@@ -157,7 +194,13 @@ def failures(run_id: int, per_kind: int = 3) -> Select[Any]:
             .label("rank"),
             func.count().over(partition_by=kind).label("n"),
         )
-        .where(attempts_v.c.run_id == run_id, attempts_v.c.status.in_(FAILED_ATTEMPT))
+        .where(
+            attempts_v.c.run_id == run_id,
+            attempts_v.c.status.in_(FAILED_ATTEMPT),
+            attempts_v.c.rollout_id.in_(
+                select(rollouts.c.rollout_id).where(rollouts.c.run_id == run_id, *in_window(threshold)).scalar_subquery()
+            ),
+        )
         .subquery()
     )
     return select(ranked).where(ranked.c.rank <= per_kind).order_by(ranked.c.n.desc(), ranked.c.kind, ranked.c.rank)
@@ -230,7 +273,9 @@ def rollout_page(dialect: str, run_id: int, f: RolloutFilter) -> Select[Any]:
 
 
 def rollout_count(dialect: str, run_id: int, f: RolloutFilter) -> Select[Any]:
-    return select(func.count()).select_from(rollouts).where(and_(*f.conditions(dialect, run_id)))
+    """How many rollouts match, counted up to ``COUNT_LIMIT + 1`` (the page says "more than")."""
+    matching = select(rollouts.c.rollout_id).where(and_(*f.conditions(dialect, run_id))).limit(COUNT_LIMIT + 1)
+    return select(func.count()).select_from(matching.subquery())
 
 
 def summaries(run_id: int, rollout_ids: list[str]) -> Select[Any]:
@@ -329,12 +374,3 @@ def resource_version(run_id: int, resources_id: str, version: int) -> Select[Any
         resource_versions.c.resources_id == resources_id,
         resource_versions.c.version == version,
     )
-
-
-def rollouts_per_version(run_id: int, resources_id: str) -> Select[Any]:
-    return (
-        select(rollouts.c.resources_version, func.count().label("n"))
-        .where(rollouts.c.run_id == run_id, rollouts.c.resources_id == resources_id)
-        .group_by(rollouts.c.resources_version)
-    )
-
