@@ -76,7 +76,7 @@ def _nice_max(value: float) -> float:
     if value <= 0:
         return 1.0
     magnitude = 10 ** (len(str(int(value))) - 1)
-    for step in (1, 2, 2.5, 5, 10):
+    for step in (1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10):
         if value <= step * magnitude:
             return float(step * magnitude)
     return float(10 * magnitude)

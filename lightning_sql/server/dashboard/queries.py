@@ -213,6 +213,8 @@ def worker_list(run_id: int, limit: int = 200) -> Select[Any]:
             workers.c.status,
             workers.c.last_heartbeat_time,
             workers.c.last_dequeue_time,
+            workers.c.last_busy_time,
+            workers.c.last_idle_time,
             workers.c.current_rollout_id,
             workers.c.current_attempt_id,
             workers.c.heartbeat_stats,
