@@ -144,9 +144,15 @@ async def seed(url: str, schema: str | None, n_rollouts: int, spans_per_rollout:
             if rows:
                 async with engine.begin() as conn:
                     await conn.execute(insert(tables[name]), rows)
+        # What autovacuum does to a live store after a bulk load: statistics, and the visibility map
+        # that lets PostgreSQL count through an index alone.
         async with engine.connect() as conn:
             await conn.execution_options(isolation_level="AUTOCOMMIT")
-            await conn.execute(text("ANALYZE"))
+            if target.dialect == "postgresql":
+                for table in (runs, rollouts, attempts, spans, workers, resources, resource_versions):
+                    await conn.execute(text(f'VACUUM ANALYZE "{schema}"."{table.name}"'))
+            else:
+                await conn.execute(text("ANALYZE"))
     finally:
         await engine.dispose()
 
@@ -188,6 +194,8 @@ async def measure(url: str, schema: str | None, n_rollouts: int, repeat: int) ->
                 "rollouts mode+version": f"/runs/{run_id}/rollouts?mode=val&version=3",
                 "rollouts text": f"/runs/{run_id}/rollouts?q=question+4242",
                 "rollouts sort=end page 200": f"/runs/{run_id}/rollouts?sort=end&order=asc&page=200",
+                "rollouts sort=status": f"/runs/{run_id}/rollouts?sort=status",
+                "rollouts sort=attempts": f"/runs/{run_id}/rollouts?sort=attempts&order=asc",
                 "rollout": f"/runs/{run_id}/rollouts/{last}",
                 "span": f"/runs/{run_id}/spans/{span_pk}",
                 "resources + diff": f"/runs/{run_id}/resources?id=rs-bench&a=3&b=7",

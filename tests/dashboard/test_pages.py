@@ -109,7 +109,7 @@ def test_rollouts_table_filters_sorts_and_pages(served: Served) -> None:
 
 
 @pytest.mark.parametrize(
-    "query", ["?status=nope", "?page=0", "?page=x", "?sort=secret", "?order=sideways", "?version=v2", "?q=" + "x" * 201]
+    "query", ["?status=nope", "?mode=<b>", "?page=0", "?page=x", "?sort=secret", "?order=sideways", "?version=v2", "?q=" + "x" * 201]
 )
 def test_rollouts_table_rejects_bad_parameters(served: Served, query: str) -> None:
     run_id = run_ids(served)[DEMO_RUN]
@@ -191,7 +191,8 @@ def test_hostile_names_are_text_everywhere(served: Served) -> None:
 
 def test_unknown_things_are_404_pages(served: Served) -> None:
     run_id = run_ids(served)[DEMO_RUN]
-    for path in ("/runs/999", f"/runs/{run_id}/rollouts/ro-missing", f"/runs/{run_id}/spans/999999",
+    for path in ("/runs/999", "/runs/99999999999", f"/runs/{run_id}/spans/99999999999999999999",
+                 f"/runs/{run_id}/rollouts/ro-missing", f"/runs/{run_id}/spans/999999",
                  f"/runs/{run_id}/rollouts/{served.seeded.llm_rollout}?attempt=at-missing"):
         page = get(served, path, status=404)
         assert "Traceback" not in page

@@ -143,7 +143,6 @@ def reward_lines(
 ) -> Chart:
     """Mean final reward per interval, one line per mode."""
     chart = Chart("lines", "Mean reward per mode over time", width=HALF_WIDTH)
-    WIDTH = chart.width  # noqa: N806 - the frame of this chart
     if not means:
         return chart
     values = [m for m, _n in means.values()]
@@ -151,7 +150,7 @@ def reward_lines(
     if hi <= lo:
         hi = lo + 1.0
     hi = _nice_max(hi) if lo == 0 else hi
-    plot_w = WIDTH - PAD_LEFT - PAD_RIGHT
+    plot_w = chart.width - PAD_LEFT - PAD_RIGHT
     plot_h = HEIGHT - PAD_TOP - PAD_BOTTOM
     modes = [m for m in MODE_ORDER if any(k[1] == m for k in means)]
     modes += sorted({k[1] for k in means} - set(modes))
@@ -174,13 +173,12 @@ def reward_lines(
 def version_bars(rows: Sequence[tuple[str, float, int]]) -> Chart:
     """Mean final reward per resources version (``label``, mean, count)."""
     chart = Chart("bars", "Mean reward per resources version", width=HALF_WIDTH)
-    WIDTH = chart.width  # noqa: N806 - the frame of this chart
     if not rows:
         return chart
     lo = min(0.0, min(m for _l, m, _n in rows))
     hi = max(m for _l, m, _n in rows)
     hi = _nice_max(hi) if hi > 0 else 1.0
-    plot_w = WIDTH - PAD_LEFT - PAD_RIGHT
+    plot_w = chart.width - PAD_LEFT - PAD_RIGHT
     plot_h = HEIGHT - PAD_TOP - PAD_BOTTOM
     bar_w = plot_w / len(rows)
     zero = HEIGHT - PAD_BOTTOM - plot_h * (0 - lo) / (hi - lo)

@@ -12,11 +12,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import URL, Executable, make_url
+from sqlalchemy import URL, Executable
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from lightning_sql.store.sql.schema import DEFAULT_PG_SCHEMA
-from lightning_sql.store.sql.urls import mask_url, normalise_url
+from lightning_sql.store.sql.urls import normalise_url
 
 POOL_SIZE = 2
 SQLITE_BUSY_TIMEOUT_SECONDS = 5.0
@@ -59,7 +59,6 @@ class Database:
     """Runs the dashboard's statements on its read-only engine."""
 
     def __init__(self, url: str, schema: str | None) -> None:
-        self.masked_url = mask_url(make_url(url)) if "://" in url else url
         self.engine, self.dialect = read_only_engine(url, schema)
 
     async def rows(self, stmt: Executable) -> Sequence[Any]:

@@ -80,6 +80,14 @@ def _run_stats(run: Any, count_rows: Any, worker_rows: Any) -> RunStats:
     return stats
 
 
+def _key(request: Request, name: str, largest: int, what: str) -> int:
+    """An integer key of the path; one no column can hold is a missing thing, not a database error."""
+    value = int(request.path_params[name])
+    if value > largest:
+        raise HTTPException(404, f"No {what} with id {value}")
+    return value
+
+
 @dataclass
 class VersionReward:
     resources_id: str | None
@@ -151,7 +159,7 @@ class Pages:
 
     @staticmethod
     def _run_id(request: Request) -> int:
-        return int(request.path_params["run_id"])
+        return _key(request, "run_id", 2**31 - 1, "run")
 
     # --- runs -----------------------------------------------------------------------------------
 
@@ -239,6 +247,9 @@ class Pages:
         status = q.get("status", "")
         if status and status not in ROLLOUT_STATUSES:
             raise HTTPException(400, f"Unknown status {status!r}: use one of {', '.join(ROLLOUT_STATUSES)}")
+        mode = q.get("mode", "")
+        if mode and mode not in ROLLOUT_MODES:
+            raise HTTPException(400, f"Unknown mode {mode!r}: use one of {', '.join(ROLLOUT_MODES)}")
         version_text = q.get("version", "").strip()
         try:
             version = int(version_text) if version_text else None
@@ -258,7 +269,7 @@ class Pages:
             raise HTTPException(400, "the text filter is limited to 200 characters")
         return RolloutFilter(
             status=status,
-            mode=q.get("mode", "")[:16],
+            mode=mode,
             version=version,
             text=text,
             sort=sort,
@@ -374,7 +385,7 @@ class Pages:
     async def span(self, request: Request) -> Response:
         run_id = self._run_id(request)
         run = await self._run(run_id)
-        rows = await self.db.rows(queries.span_detail(run_id, int(request.path_params["span_pk"])))
+        rows = await self.db.rows(queries.span_detail(run_id, _key(request, "span_pk", 2**63 - 1, "span")))
         if not rows:
             raise HTTPException(404, "No such span in this run")
         span = rows[0]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from datetime import UTC, datetime
 from typing import Any
 
@@ -111,5 +110,4 @@ def make_environment() -> Environment:
         pretty=pretty_json,
         one_line=one_line,
     )
-    env.globals["now"] = time.time
     return env
