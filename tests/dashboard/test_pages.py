@@ -104,6 +104,8 @@ def test_rollouts_table_filters_sorts_and_pages(served: Served) -> None:
     assert 'data-total="8"' in get(served, base)
     rewards = data_values(get(served, base + "?mode=train&status=succeeded"), "data-reward")
     assert sorted(float(r) for r in rewards) == [0.0, 0.5, 0.5, 1.0]
+    for order in ("asc", "desc"):  # the unfinished ones last, in either direction, on both backends
+        assert set(ids(f"?sort=end&order={order}")[-1:]) == {served.seeded.queued_rollout}
     by_attempts = ids("?sort=attempts&order=asc")
     assert by_attempts[0] == served.seeded.queued_rollout  # no attempt yet
 

@@ -262,6 +262,10 @@ class RolloutFilter:
 def rollout_page(dialect: str, run_id: int, f: RolloutFilter) -> Select[Any]:
     column = SORTS[f.sort]
     order = [column.desc() if f.descending else column.asc()]
+    if f.sort == "end":
+        # Unfinished rollouts (no end time) come last either way, on both backends.  Only here: on
+        # the NOT NULL columns the clause would keep PostgreSQL from reading the index in order.
+        order = [order[0].nulls_last()]
     if f.sort != "created":
         order.append(rollouts.c.create_seq.desc() if f.descending else rollouts.c.create_seq.asc())
     page = (
