@@ -13,7 +13,15 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_sql import OtelResource, PromptTemplate, Span, SpanContext, SqlLightningStore, TraceStatus
+from lightning_sql import (
+    OtelResource,
+    PromptTemplate,
+    RolloutConfig,
+    Span,
+    SpanContext,
+    SqlLightningStore,
+    TraceStatus,
+)
 from tests.helpers import FakeClock
 
 HOSTILE = '<script>window.__pwned=1</script> [/] \u202eevil\u202c עברית \x1b[31mred\x1b[0m & "q"'
@@ -122,7 +130,7 @@ async def seed(url: str, schema: str | None, clock: FakeClock) -> Seeded:
             await store.enqueue_rollout(input={"question": "v"}, mode="val")
             out.demo_rollouts.append(await _finish(store, clock, "worker-2", reward))
         failing = await store.enqueue_rollout(input={"question": "boom"}, mode="train",
-                                              config={"max_attempts": 1})  # type: ignore[arg-type]
+                                              config=RolloutConfig(max_attempts=1))
         claimed = await store.dequeue_rollout(worker_id="worker-2")
         assert claimed is not None and claimed.rollout_id == failing.rollout_id
         clock.advance(1.0)
