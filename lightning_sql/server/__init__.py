@@ -1,0 +1,1 @@
+"""``lightning-sql serve``: the HTTP server over a store (dashboard, APIs)."""
