@@ -9,6 +9,7 @@ import sys
 import click
 
 from lightning_sql.server.config import (
+    DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_HOST,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_PORT,
@@ -57,6 +58,13 @@ def _is_loopback(host: str) -> bool:
 )
 @click.option("--cors-origin", "cors_origins", multiple=True, help="Allow this browser origin (repeatable); none by default.")
 @click.option(
+    "--connect-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=DEFAULT_CONNECT_TIMEOUT_S,
+    show_default=True,
+    help="Seconds a call waits for an unreachable database before answering 503.",
+)
+@click.option(
     "--log-level",
     type=click.Choice(["critical", "error", "warning", "info", "debug"]),
     default="info",
@@ -72,6 +80,7 @@ def serve(
     read_only: bool,
     max_body_mb: float,
     cors_origins: tuple[str, ...],
+    connect_timeout: float,
     log_level: str,
 ) -> None:
     """Serve the store over HTTP: dashboard at /, Agent-Lightning's client API at /v1/agl,
@@ -93,6 +102,7 @@ def serve(
             read_only=read_only,
             max_body_bytes=int(max_body_mb * 2**20),
             cors_origins=cors_origins,
+            connect_timeout=connect_timeout,
         )
         app = create_app(config)
     except (ValueError, TypeError) as exc:

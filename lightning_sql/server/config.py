@@ -8,6 +8,9 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 4747
 DEFAULT_RUN = "default"
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+# How long a call waits for an unreachable database before answering 503 (the store's default of
+# 30 s suits a runner that must not give up; an HTTP client should hear sooner, and it retries).
+DEFAULT_CONNECT_TIMEOUT_S = 10.0
 # Request header naming the run a call works on (API and ingestion); the server's run otherwise.
 RUN_HEADER = "x-lightning-sql-run"
 # OTLP resource or span attribute naming the run of a span (span-level wins, then resource, header).
@@ -34,6 +37,7 @@ class ServerConfig:
     read_only: bool = False
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     cors_origins: tuple[str, ...] = field(default_factory=tuple)
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not self.url:
@@ -48,6 +52,10 @@ class ServerConfig:
             raise ValueError("token must be a non-empty str or None")
         if isinstance(self.max_body_bytes, bool) or not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be a positive int, got {self.max_body_bytes!r}")
+        if isinstance(self.connect_timeout, bool) or not isinstance(self.connect_timeout, int | float):
+            raise ValueError(f"connect_timeout must be a number of seconds, got {self.connect_timeout!r}")
+        if not self.connect_timeout > 0:
+            raise ValueError(f"connect_timeout must be > 0, got {self.connect_timeout!r}")
         origins = tuple(self.cors_origins)
         for origin in origins:
             if not isinstance(origin, str) or not origin.strip():

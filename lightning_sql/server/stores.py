@@ -7,7 +7,6 @@ process's I/O worker for the database, so a store per run costs a few objects, n
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -20,8 +19,6 @@ logger = logging.getLogger(__name__)
 
 # Distinct runs one process serves; a client naming more gets a 400 rather than growing the process.
 MAX_RUNS = 256
-# How long a health probe waits for the database.
-HEALTH_TIMEOUT_S = 5.0
 
 
 class TooManyRunsError(ValueError):
@@ -63,6 +60,7 @@ class StorePool:
             run=name,
             create_run=not self.config.read_only,
             read_only=self.config.read_only,
+            connect_deadline_seconds=self.config.connect_timeout,
             **self._options(),
         )
         self._stores[name] = created
@@ -77,7 +75,7 @@ class StorePool:
         A writable server's first call also brings a new database to the current schema revision.
         """
         try:
-            await asyncio.wait_for(self.store().get_run(self.config.run), timeout=HEALTH_TIMEOUT_S)
+            await self.store().get_run(self.config.run)
         except Exception as exc:  # noqa: BLE001 - any failure means "not ready", with its reason
             logger.warning("Health check failed: %s: %s", type(exc).__name__, exc)
             return False, f"database not answering ({type(exc).__name__})"
