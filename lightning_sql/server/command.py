@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import sys
+from typing import Any
 
 import click
 
@@ -18,6 +19,7 @@ from lightning_sql.server.config import (
 )
 
 EXIT_USAGE = 2
+logger = logging.getLogger(__name__)
 
 
 def _is_loopback(host: str) -> bool:
@@ -86,11 +88,9 @@ def serve(
     """Serve the store over HTTP: dashboard at /, Agent-Lightning's client API at /v1/agl,
     OTLP/HTTP traces at /v1/traces, Prometheus metrics at /metrics, readiness at /healthz."""
     import uvicorn
-    from rich.console import Console
 
     from lightning_sql.server.app import create_app
 
-    console = Console(stderr=True)
     try:
         config = ServerConfig(
             url=url,
@@ -106,18 +106,26 @@ def serve(
         )
         app = create_app(config)
     except (ValueError, TypeError) as exc:
-        console.print(f"[red]error:[/red] {exc}", markup=True, highlight=False)
+        _console().print(f"[red]error:[/red] {exc}", highlight=False)
         sys.exit(EXIT_USAGE)
     if not _is_loopback(host) and config.token is None:
-        console.print(
+        _console().print(
             f"[yellow]warning:[/yellow] serving on {host} without a token: anyone who can reach this "
             "address can read and write the store (set LIGHTNING_SQL_TOKEN)",
             highlight=False,
         )
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     mode = "read-only" if read_only else f"run {run!r}"
-    console.print(f"lightning-sql serve: http://{host}:{port} ({mode})", highlight=False, markup=False)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, server_header=False, access_log=False)
+    logger.info("lightning-sql serve on http://%s:%d (%s)", host, port, mode)
+    # No websocket protocol: nothing here speaks it, and not importing one keeps restarts quick.
+    uvicorn.run(app, host=host, port=port, log_level=log_level, server_header=False, access_log=False, ws="none")
+
+
+def _console() -> Any:
+    """Rich's console on stderr, imported only when there is something to say."""
+    from rich.console import Console
+
+    return Console(stderr=True)
 
 
 def main() -> None:

@@ -31,6 +31,7 @@ class StorePool:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self._stores: dict[str, SqlLightningStore] = {}
+        self.store()  # checks the URL and options now (no I/O): a bad one fails at start, not per call
 
     def _options(self) -> dict[str, Any]:
         options: dict[str, Any] = {}
