@@ -294,3 +294,24 @@ async def _claim_in_a_child(server: RunningServer) -> tuple[str, str]:
     )
     assert child.returncode == 0, child.stderr[-2000:]
     return child.stdout.strip().splitlines()[-1], enqueued.json()[0]["rollout_id"]
+
+
+def test_the_get_query_routes(server_factory: Callable[..., RunningServer]) -> None:
+    """The GET forms of the queries (query parameters, repeatable lists), as Agent-Lightning's dashboard uses them."""
+    server = server_factory()
+    with httpx.Client(base_url=server.url + "/v1/agl", timeout=30) as http:
+        http.post("/queues/rollouts/enqueue", json={"rollouts": [{"input": i} for i in range(3)]})
+        claimed = http.post("/queues/rollouts/dequeue", json={"worker_id": "w"}).json()[0]
+        rollout_id, attempt_id = claimed["rollout_id"], claimed["attempt"]["attempt_id"]
+        page = http.get("/rollouts", params=[("status_in", "queuing"), ("status_in", "preparing"), ("limit", "2")]).json()
+        assert page["total"] == 3 and len(page["items"]) == 2 and page["limit"] == 2
+        assert "attempt" in next(i for i in http.get("/rollouts").json()["items"] if i["rollout_id"] == rollout_id)
+        assert http.get("/rollouts", params={"status_in": "queuing"}).json()["total"] == 2
+        attempts = http.get(f"/rollouts/{rollout_id}/attempts", params={"sort_order": "desc"}).json()
+        assert [a["attempt_id"] for a in attempts["items"]] == [attempt_id]
+        assert http.get("/workers", params={"status_in": "busy"}).json()["items"][0]["worker_id"] == "w"
+        http.post("/resources/r1", json={})
+        assert http.get("/resources", params={"resources_id_contains": "r"}).json()["total"] == 1
+        assert http.get("/spans", params={"rollout_id": rollout_id, "attempt_id": "latest"}).json()["total"] == 0
+        assert http.get("/spans").status_code == 400  # rollout_id is required
+        assert http.get("/rollouts", params={"limit": "x"}).status_code == 400
