@@ -82,7 +82,7 @@ class TokenAuthMiddleware:
         self.session = session_value(token) if token else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.token is None or scope["type"] not in ("http", "websocket"):
+        if self.token is None or scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         path: str = scope.get("path", "")

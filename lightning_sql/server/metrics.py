@@ -104,12 +104,12 @@ class ServerMetrics:
         for run in pool.opened_runs():
             store = pool.store(run)
             try:
+                if await store.get_run(run) is None:
+                    continue  # not created yet: a scrape must not create it
                 counts: dict[RolloutStatus, int] = {}
                 for status in ROLLOUT_STATUSES:
                     page = await store.query_rollouts(status_in=[status], limit=0)
                     counts[status] = page.total
-            except ValueError:
-                continue  # a read-only server's run that does not exist (yet)
             except Exception as exc:  # noqa: BLE001 - a scrape still returns what it has
                 self.scrape_errors.inc()
                 self.database_error(exc)

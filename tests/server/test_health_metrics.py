@@ -6,7 +6,9 @@ from collections.abc import Callable
 
 import httpx
 
+from lightning_sql import SqlLightningStore
 from lightning_sql.server import ServerConfig
+from tests.conftest import BackendSpec
 from tests.server.conftest import RUN, RunningServer, serve
 
 
@@ -73,3 +75,17 @@ def test_metrics_report_queue_rollouts_attempts_and_spans(server_factory: Callab
     assert server.metric(text, "lightning_sql_claim_latency_seconds_count", run=RUN) == 2
     assert server.metric(text, "lightning_sql_spans_ingested_total", source="api") == 1
     assert "# TYPE lightning_sql_claim_latency_seconds histogram" in text
+
+
+async def test_probes_and_scrapes_create_no_run(
+    server_factory: Callable[..., RunningServer], mp_backend: BackendSpec
+) -> None:
+    server = server_factory()
+    assert httpx.get(server.url + "/healthz", timeout=30).status_code == 200
+    page = httpx.get(server.url + "/metrics", timeout=30)
+    assert page.status_code == 200 and server.metric(page.text, "lightning_sql_queue_depth", run=RUN) is None
+    store = SqlLightningStore(mp_backend.url, **mp_backend.options(run=None, create_run=False, read_only=True))
+    try:
+        assert await store.list_runs() == []
+    finally:
+        await store.close()
