@@ -57,7 +57,7 @@ def create_app(config: ServerConfig) -> Starlette:
     metrics = ServerMetrics()
     handlers = ErrorHandlers(on_database_error=metrics.database_error)
     dashboard_class = _dashboard_class()
-    dashboard = dashboard_class(config.url, schema=config.schema) if dashboard_class is not None else None
+    dashboard: Any = None
 
     async def healthz(request: Request) -> Response:
         ok, detail = await pool.healthy()
@@ -88,9 +88,7 @@ def create_app(config: ServerConfig) -> Starlette:
     else:
         routes.extend(api_routes(pool, metrics))
         routes.append(Route("/v1/traces", traces_endpoint(pool, metrics, config.max_body_bytes), methods=["POST"]))
-    if dashboard is not None:
-        routes.extend(dashboard.routes)
-    else:
+    if dashboard_class is None:
         routes.append(Route("/", index, methods=["GET"]))
 
     middleware: list[Middleware] = []
@@ -113,10 +111,15 @@ def create_app(config: ServerConfig) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        nonlocal dashboard
         ok, detail = await pool.healthy()
         if not ok:
             logger.warning("Serving, but %s: /healthz answers 503 until it does", detail)
-        if dashboard is not None:
+        if dashboard_class is not None:
+            # Made once the database exists (a writable server has just created a new one); its
+            # pages go after the server's own routes, before the first request is served.
+            dashboard = dashboard_class(config.url, schema=config.schema)
+            app.router.routes.extend(dashboard.routes)
             await dashboard.startup()
         try:
             yield

@@ -26,6 +26,7 @@ class ServerConfig:
     every call except ``/healthz`` and the login page needs it (``Authorization: Bearer``, HTTP
     Basic with the token as password, or the dashboard's login cookie).  ``read_only`` serves the
     dashboard, ``/metrics`` and ``/healthz`` only and opens the database without ever writing.
+    ``connect_timeout``: seconds a call waits for an unreachable database before its 503.
     """
 
     url: str
