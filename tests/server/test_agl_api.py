@@ -7,6 +7,7 @@ UNSET in updates, concurrent sequence ids, no retry on a 4xx), on SQLite files a
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import time
@@ -315,3 +316,59 @@ def test_the_get_query_routes(server_factory: Callable[..., RunningServer]) -> N
         assert http.get("/spans", params={"rollout_id": rollout_id, "attempt_id": "latest"}).json()["total"] == 0
         assert http.get("/spans").status_code == 400  # rollout_id is required
         assert http.get("/rollouts", params={"limit": "x"}).status_code == 400
+
+
+_TRACER_CHILD = """
+import asyncio, sys
+from agentlightning.store.client_server import LightningStoreClient
+from agentlightning.tracer.otel import OtelTracer
+
+async def main():
+    client = LightningStoreClient(sys.argv[1], retry_delays=(0.5,), health_retry_delays=(0.1,))
+    try:
+        attempted = await client.start_rollout(input={"task": "trace me"})
+        tracer = OtelTracer()
+        tracer.init_worker(0)
+        async with tracer.trace_context(
+            "rollout", store=client, rollout_id=attempted.rollout_id, attempt_id=attempted.attempt.attempt_id
+        ) as otel:
+            with otel.start_as_current_span("agent-step") as step:
+                step.set_attribute("step", 1)
+                with otel.start_as_current_span("llm-call"):
+                    pass
+        print(attempted.rollout_id)
+    finally:
+        await client.close()
+
+asyncio.run(main())
+"""
+
+
+async def test_agent_lightnings_tracer_exports_to_the_server(tmp_path: Path) -> None:
+    """Agent-Lightning's OtelTracer, given the client as its store, sends its spans over OTLP with the
+    rollout and attempt as resource attributes.  Its exporter takes the endpoint from
+    OTEL_EXPORTER_OTLP_TRACES_ENDPOINT (docs/server.md).  In a child process: the tracer installs a
+    global tracer provider."""
+    url = f"sqlite:///{tmp_path / 'tracer.db'}"
+    with serve(ServerConfig(url=url, run=RUN)) as server:
+        env = {**os.environ, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": server.url + "/v1/traces"}
+        child = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-c", _TRACER_CHILD, server.url],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
+        assert child.returncode == 0, child.stderr[-3000:]
+        metrics = httpx.get(server.url + "/metrics", timeout=30).text
+    rollout_id = child.stdout.strip().splitlines()[-1]
+    store = SqlLightningStore(url, run=RUN, read_only=True, create_run=False)
+    try:
+        spans = list(await store.query_spans(rollout_id))
+    finally:
+        await store.close()
+    assert [s.name for s in spans] == ["llm-call", "agent-step"]
+    assert [s.sequence_id for s in spans] == [1, 2]
+    assert spans[0].parent_id == spans[1].span_id and spans[1].attributes["step"] == 1
+    assert server.metric(metrics, "lightning_sql_spans_ingested_total", source="otlp") == 2
