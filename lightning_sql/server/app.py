@@ -6,8 +6,9 @@ Routes: ``/healthz`` (200 when the database answers, 503 otherwise), ``/metrics`
 CORS (only when origins are configured), the body-size limit, token authentication, and the last
 resort that turns an unexpected exception into a JSON 500 without a traceback.
 
-Heavy modules (the store, protobuf, pydantic models) are imported where first used, so a supervisor
-restarting the server gets ``/healthz`` answered quickly.
+Protobuf and the OTLP messages are imported by the first request that needs them, and the
+dashboard is made once the database is up, so a supervisor restarting the server gets ``/healthz``
+answered quickly (``benchmarks/server_startup.py``).
 """
 
 from __future__ import annotations
