@@ -1,0 +1,206 @@
+"""Safe by default: token on every call (and the dashboard's one-time login), read-only serving
+(also as a read-only PostgreSQL role), no CORS unless configured, size-limited bodies, and JSON
+errors with a message instead of tracebacks."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from urllib.parse import unquote
+
+import httpx
+import pytest
+
+from lightning_sql import SqlLightningStore
+from lightning_sql.server import ServerConfig
+from lightning_sql.server.auth import COOKIE_NAME
+from tests.conftest import PG_URL, BackendSpec
+from tests.helpers import pg_execute
+from tests.server.conftest import RUN, RunningServer, serve
+
+TOKEN = "correct horse battery staple"
+BEARER = {"Authorization": f"Bearer {TOKEN}"}
+ENQUEUE = "/v1/agl/queues/rollouts/enqueue"
+
+
+def test_every_call_needs_the_token(server_factory: Callable[..., RunningServer]) -> None:
+    server = server_factory(token=TOKEN)
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        for method, path in [("GET", "/v1/agl/health"), ("POST", "/v1/traces"), ("GET", "/metrics"), ("GET", "/")]:
+            response = http.request(method, path)
+            assert response.status_code == 401, (path, response.text)
+            assert response.headers["www-authenticate"].startswith("Bearer")
+            assert "token" in response.json()["detail"]
+        assert http.get("/v1/agl/health", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert http.get("/v1/agl/health", headers={"Authorization": f"Bearer {TOKEN}x"}).status_code == 401
+        assert http.get("/v1/agl/health", headers=BEARER).json() == {"status": "ok"}
+        assert http.get("/v1/agl/health", auth=("anyone", TOKEN)).status_code == 200  # HTTP Basic, token as password
+        assert http.get("/v1/agl/health", auth=(TOKEN, "wrong")).status_code == 401
+        assert http.get("/metrics", headers=BEARER).status_code == 200
+        assert http.get("/healthz").status_code == 200  # probes need no token
+        refused = http.post(ENQUEUE, json={"rollouts": [{"input": 1}]})
+        assert refused.status_code == 401
+        assert http.get("/v1/agl/statistics", headers=BEARER).json()["total_rollouts"] == 0
+
+
+def test_the_dashboard_asks_for_the_token_once(server_factory: Callable[..., RunningServer]) -> None:
+    server = server_factory(token=TOKEN)
+    page = {"Accept": "text/html,application/xhtml+xml"}
+    with httpx.Client(base_url=server.url, timeout=30, follow_redirects=False) as http:
+        first = http.get("/runs?sort=age", headers=page)
+        assert first.status_code == 303
+        login_url = first.headers["location"]
+        assert login_url.startswith("/login?next=") and unquote(login_url.split("=", 1)[1]) == "/runs?sort=age"
+        form = http.get(login_url)
+        assert form.status_code == 200 and 'name="token"' in form.text and "/runs?sort=age" in form.text
+
+        wrong = http.post("/login", data={"token": "guess", "next": "/runs"})
+        assert wrong.status_code == 401 and COOKIE_NAME not in wrong.headers.get("set-cookie", "")
+        assert "not this server" in wrong.text
+
+        right = http.post("/login", data={"token": TOKEN, "next": "/runs?sort=age"})
+        assert right.status_code == 303 and right.headers["location"] == "/runs?sort=age"
+        cookie = right.headers["set-cookie"]
+        assert "httponly" in cookie.lower() and "samesite=strict" in cookie.lower()
+        value = http.cookies[COOKIE_NAME]
+        assert TOKEN not in value and TOKEN.replace(" ", "+") not in cookie
+
+        assert http.get("/", headers=page).status_code == 200  # the cookie now opens dashboard pages
+        # ... but never the API, ingestion or metrics: those need the header.
+        assert http.post(ENQUEUE, json={"rollouts": [{"input": 1}]}).status_code == 401
+        assert http.get("/metrics").status_code == 401
+        forged = httpx.get(server.url + "/", headers={**page, "Cookie": f"{COOKIE_NAME}={'0' * len(value)}"})
+        assert forged.status_code == 303
+
+        # After login only local paths: never another site.
+        for target in ["//evil.example/x", "https://evil.example/", "/\\evil.example"]:
+            again = http.post("/login", data={"token": TOKEN, "next": target})
+            assert again.headers["location"] == "/", target
+        escaped = http.get("/login", params={"next": '/"><script>alert(1)</script>'})
+        assert "<script>alert(1)" not in escaped.text
+
+
+async def test_read_only_serves_no_api_and_writes_nothing(
+    server_factory: Callable[..., RunningServer], mp_backend: BackendSpec
+) -> None:
+    writer = SqlLightningStore(mp_backend.url, **mp_backend.options(run=RUN))
+    try:
+        await writer.enqueue_rollout({"task": 1})
+    finally:
+        await writer.close()
+    server = server_factory(read_only=True)
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        for method, path in [("POST", ENQUEUE), ("GET", "/v1/agl/health"), ("POST", "/v1/traces"), ("GET", "/v1/agl/rollouts")]:
+            response = http.request(method, path, json={"rollouts": [{"input": 2}]})
+            assert response.status_code == 403, (path, response.text)
+            assert "read-only" in response.json()["detail"]
+        assert http.get("/healthz").status_code == 200
+        metrics = http.get("/metrics")
+        assert metrics.status_code == 200
+        assert server.metric(metrics.text, "lightning_sql_queue_depth", run=RUN) == 1
+    store = SqlLightningStore(mp_backend.url, **mp_backend.options(run=RUN, read_only=True, create_run=False))
+    try:
+        assert [r.input for r in await store.query_rollouts()] == [{"task": 1}]
+    finally:
+        await store.close()
+
+
+@pytest.fixture
+def pg_reader_role(pg_backend: BackendSpec) -> Iterator[tuple[str, str]]:
+    """A login role with the read-only grants of docs/operations.md on the test's schema."""
+    import asyncio
+
+    role = f"lsql_srv_reader_{uuid.uuid4().hex[:8]}"
+    schema = pg_backend.schema
+    asyncio.run(pg_execute(PG_URL, f"CREATE ROLE {role} LOGIN PASSWORD 'pw-{role}'"))
+    try:
+        yield PG_URL.replace("postgres@", f"{role}:pw-{role}@", 1), str(schema)
+    finally:
+        asyncio.run(pg_execute(PG_URL, f"DROP OWNED BY {role}; DROP ROLE IF EXISTS {role}"))
+
+
+async def test_read_only_with_a_read_only_postgresql_role(pg_backend: BackendSpec, pg_reader_role: tuple[str, str]) -> None:
+    reader_url, schema = pg_reader_role
+    owner = pg_backend.open(run=RUN)
+    try:
+        rollout = await owner.enqueue_rollout({"task": "<script>x</script>"})
+    finally:
+        await owner.close()
+    role = reader_url.split("//", 1)[1].split(":", 1)[0]
+    await pg_execute(PG_URL, f"GRANT USAGE ON SCHEMA {schema} TO {role}; GRANT SELECT ON ALL TABLES IN SCHEMA {schema} TO {role};")
+    with serve(ServerConfig(url=reader_url, run=RUN, schema=schema, read_only=True)) as server:
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            assert http.get("/healthz").json() == {"status": "ok"}
+            metrics = http.get("/metrics")
+            assert metrics.status_code == 200
+            assert server.metric(metrics.text, "lightning_sql_rollouts", run=RUN, status="queuing") == 1
+            assert http.get("/").status_code == 200
+            assert http.post(ENQUEUE, json={"rollouts": [{"input": 1}]}).status_code == 403
+    check = pg_backend.open(run=RUN, read_only=True, create_run=False)
+    try:
+        assert [r.rollout_id for r in await check.query_rollouts()] == [rollout.rollout_id]
+    finally:
+        await check.close()
+
+
+def test_no_cors_unless_configured(server_factory: Callable[..., RunningServer]) -> None:
+    origin = {"Origin": "http://ui.example"}
+    preflight = {**origin, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+    plain = server_factory()
+    with httpx.Client(base_url=plain.url, timeout=30) as http:
+        response = http.get("/v1/agl/health", headers=origin)
+        assert response.status_code == 200 and "access-control-allow-origin" not in response.headers
+        answer = http.options(ENQUEUE, headers=preflight)
+        assert "access-control-allow-origin" not in answer.headers
+    allowed = server_factory(cors_origins=("http://ui.example",), token=TOKEN)
+    with httpx.Client(base_url=allowed.url, timeout=30) as http:
+        answer = http.options(ENQUEUE, headers=preflight)
+        assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == "http://ui.example"
+        other = http.options(ENQUEUE, headers={**preflight, "Origin": "http://evil.example"})
+        assert other.headers.get("access-control-allow-origin") != "http://evil.example"
+        assert http.get("/v1/agl/health", headers={**origin, **BEARER}).headers["access-control-allow-origin"] == (
+            "http://ui.example"
+        )
+
+
+async def test_bodies_are_size_limited(server_factory: Callable[..., RunningServer], mp_backend: BackendSpec) -> None:
+    server = server_factory(max_body_bytes=2048)
+    big = {"rollouts": [{"input": "x" * 4096}]}
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        declared = http.post(ENQUEUE, json=big)
+        assert declared.status_code == 413 and "2048 bytes" in declared.json()["detail"]
+
+        def chunks() -> Iterator[bytes]:  # no Content-Length: the limit applies while reading
+            yield b'{"rollouts": [{"input": "'
+            for _ in range(8):
+                yield b"y" * 512
+            yield b'"}]}'
+
+        streamed = http.post(ENQUEUE, content=chunks(), headers={"Content-Type": "application/json"})
+        assert streamed.status_code == 413 and "limit" in streamed.json()["detail"]
+        assert http.post(ENQUEUE, json={"rollouts": [{"input": "small"}]}).status_code == 201
+    store = SqlLightningStore(mp_backend.url, **mp_backend.options(run=RUN, read_only=True, create_run=False))
+    try:
+        assert [r.input for r in await store.query_rollouts()] == ["small"]
+    finally:
+        await store.close()
+
+
+def test_an_unexpected_error_is_a_json_500_without_traceback(
+    server_factory: Callable[..., RunningServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = server_factory()
+
+    async def broken(self: SqlLightningStore) -> None:
+        raise RuntimeError("a bug in the server")
+
+    monkeypatch.setattr(SqlLightningStore, "statistics", broken)
+    response = httpx.get(server.url + "/v1/agl/statistics", timeout=30)
+    assert response.status_code == 500
+    assert response.json() == {"detail": "internal server error (details in the server log)", "error_type": "RuntimeError"}
+    assert "Traceback" not in response.text and "a bug" not in response.text
+
+
+def test_binds_loopback_by_default() -> None:
+    config = ServerConfig(url="sqlite://")
+    assert config.host == "127.0.0.1" and config.token is None and config.cors_origins == () and not config.read_only
