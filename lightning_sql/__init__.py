@@ -22,7 +22,7 @@ _RUNTIME_NAMES = (
     "Trainer", "DEFAULT_ROLLOUT_CONFIG", "run_worker", "run_worker_async",
 )  # fmt: skip
 
-__all__ = ["LightningStore", "SqlLightningStore", "StoreUnavailableError", *_types_all, *_RUNTIME_NAMES]
+__all__ = ["LightningStore", "SqlLightningStore", "StoreUnavailableError", "LLMProxy", *_types_all, *_RUNTIME_NAMES]
 
 
 def __getattr__(name: str) -> object:
@@ -30,4 +30,8 @@ def __getattr__(name: str) -> object:
         from lightning_sql import runtime
 
         return getattr(runtime, name)
+    if name == "LLMProxy":  # its HTTP stack (the `proxy` extra) is imported only when it starts
+        from lightning_sql.llm_proxy import LLMProxy
+
+        return LLMProxy
     raise AttributeError(f"module 'lightning_sql' has no attribute {name!r}")
