@@ -22,7 +22,9 @@ _RUNTIME_NAMES = (
     "Trainer", "DEFAULT_ROLLOUT_CONFIG", "run_worker", "run_worker_async",
 )  # fmt: skip
 
-__all__ = ["LightningStore", "SqlLightningStore", "StoreUnavailableError", "LLMProxy", *_types_all, *_RUNTIME_NAMES]
+__all__ = [  # noqa: F405 - LLMProxy and the runtime names come from __getattr__
+    "LightningStore", "SqlLightningStore", "StoreUnavailableError", "LLMProxy", *_types_all, *_RUNTIME_NAMES,
+]
 
 
 def __getattr__(name: str) -> object:

@@ -243,33 +243,49 @@ class ProxyApp:
     ) -> AsyncIterator[bytes]:
         """Pass the upstream's stream through chunk by chunk; record the assembled call at its end.
 
-        A stream that ends normally is recorded before the response closes.  One the client leaves (or
-        the upstream breaks) is recorded from a background task, marked cancelled: awaiting inside a
-        cancelled request is not possible.
+        The span is stored before the ``[DONE]`` event goes out (or, without one, before the response
+        ends): clients stop reading at ``[DONE]``, and by then the call is in the store.  A stream the
+        client leaves, or the upstream breaks, is recorded all the same, marked cancelled or failed.
         """
         assembler = StreamAssembler(record.kind)
-        recorded = False
+        recording: asyncio.Task[None] | None = None
         try:
             async for chunk in forwarded.response.aiter_raw():
                 if record.first_chunk_time is None:
                     record.first_chunk_time = time.time()
+                if recording is not None:
+                    yield chunk
+                    continue
                 assembler.feed(chunk)
-                yield chunk
-            assembler.close()
-            self._finish_stream(record, assembler)
-            await forwarded.close()
-            await self._store(record, attribution)
-            recorded = True
+                if not assembler.done:
+                    yield chunk
+                    continue
+                done_at = chunk.find(b"[DONE]")
+                cut = chunk.rfind(b"data:", 0, done_at) if done_at >= 0 else -1
+                head, tail = (chunk[:cut], chunk[cut:]) if cut >= 0 else (chunk, b"")
+                if head:
+                    yield head
+                self._finish_stream(record, assembler)
+                recording = self.recorder.record_task(record, attribution)
+                await asyncio.shield(recording)
+                if tail:
+                    yield tail
+            if recording is None:
+                assembler.close()
+                self._finish_stream(record, assembler)
+                recording = self.recorder.record_task(record, attribution)
+                await asyncio.shield(recording)
         except httpx.HTTPError as exc:
-            record.error_type, record.error_message = type(exc).__name__, f"Upstream stream broke: {exc}"
+            if recording is None:
+                record.error_type, record.error_message = type(exc).__name__, f"Upstream stream broke: {exc}"
         finally:
-            if not recorded:
+            if recording is None:
                 if record.error_type is None:
                     record.cancelled = True
                     record.error_type, record.error_message = "cancelled", "The client closed the stream"
                 self._finish_stream(record, assembler)
-                self._close_in_background(forwarded)
-                self.recorder.record_in_background(record, attribution)
+                self.recorder.record_task(record, attribution)
+            self._close_in_background(forwarded)
 
     @staticmethod
     def _finish_stream(record: CallRecord, assembler: StreamAssembler) -> None:
@@ -284,10 +300,4 @@ class ProxyApp:
         task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
 
     async def _store(self, record: CallRecord, attribution: asyncio.Future[Attribution | None]) -> None:
-        try:
-            target = await attribution
-        except Exception as exc:  # noqa: BLE001 - the call is served even if it cannot be recorded
-            logger.error("LLM proxy: call not recorded, attribution failed: %r", exc)
-            return
-        if target is not None:
-            await self.recorder.record(record, target)
+        await asyncio.shield(self.recorder.record_task(record, attribution))

@@ -125,23 +125,31 @@ class SpanRecorder:
                 attribution.rollout_id, attribution.attempt_id,
             )
 
-    def record_in_background(self, record: CallRecord, attribution: asyncio.Future[Attribution | None]) -> None:
-        """Record once ``attribution`` is known, without holding up the caller (a closed client stream)."""
+    def record_task(
+        self, record: CallRecord, attribution: asyncio.Future[Attribution | None]
+    ) -> asyncio.Task[None]:
+        """Record once ``attribution`` is known, in a task of its own.
 
-        async def later() -> None:
+        A request task may be cancelled at any await (a client that leaves a stream); the store call must
+        not be, so callers await this task through ``asyncio.shield`` or not at all.
+        """
+
+        async def run() -> None:
             try:
                 target = await attribution
-            except Exception:  # noqa: BLE001 - the failure was logged where it happened
+            except Exception as exc:  # noqa: BLE001 - the call is served even if it cannot be recorded
+                logger.error("LLM proxy: call not recorded, attribution failed: %r", exc)
                 return
             if target is not None:
                 await self.record(record, target)
 
-        task = asyncio.get_running_loop().create_task(later())
+        task = asyncio.get_running_loop().create_task(run())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
     async def drain(self) -> None:
-        """Wait for the spans still being recorded in the background."""
+        """Wait for the spans still being recorded."""
         while self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
 

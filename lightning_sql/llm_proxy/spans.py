@@ -4,8 +4,8 @@ Span name ``openai.chat.completion`` for ``/chat/completions`` (what lightning_s
 ``TracerTraceToTriplet`` match by default) and ``openai.completion`` for ``/completions``.  Attributes:
 
 * ``gen_ai.operation.name`` (``chat`` / ``text_completion``), ``gen_ai.system`` (the provider),
-  ``gen_ai.request.model`` (the name the client asked for) and the request parameters
-  (``gen_ai.request.temperature``, ``top_p``, ``max_tokens``, ``seed``, ...);
+  ``gen_ai.request.model`` (the name the client asked for) and the request parameters as the client
+  sent them (``gen_ai.request.temperature``, ``top_p``, ``max_tokens``, ``seed``, ...);
 * ``gen_ai.prompt.<i>.role`` / ``.content`` (the messages; a completion's prompt is one user message),
   ``gen_ai.completion.<i>.role`` / ``.content`` / ``.finish_reason`` / ``.tool_calls.<j>.*``;
 * ``gen_ai.response.id`` / ``.model`` / ``.finish_reasons``, ``gen_ai.usage.input_tokens`` /

@@ -33,7 +33,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-__all__ = ["StandInModel", "StandInModelServer", "token_id", "tokenize"]
+__all__ = ["StandInModel", "StandInModelServer", "reply", "token_id", "tokenize"]
 
 VOCAB = 50_000
 _ARITHMETIC = re.compile(r"(-?\d+)\s*([-+*])\s*(-?\d+)")
@@ -57,7 +57,8 @@ def _chat_prompt(messages: list[dict[str, Any]]) -> str:
     return " ".join(parts) + " <|assistant|>"
 
 
-def _reply(text: str, seed: int) -> str:
+def reply(text: str, seed: int = 0) -> str:
+    """The stand-in's answer to a prompt (its rendered chat template, for a chat)."""
     matches = list(_ARITHMETIC.finditer(text))
     if not matches:
         return "echo: " + " ".join(text.split()[-8:])
@@ -135,7 +136,7 @@ class StandInModel:
         return self._answer(body, prompt if isinstance(prompt, str) else orjson.dumps(prompt).decode(), "completion")
 
     def _answer(self, body: dict[str, Any], prompt: str, kind: str) -> Response:
-        words = _reply(prompt, int(body.get("seed") or 0)).split()
+        words = reply(prompt, int(body.get("seed") or 0)).split()
         max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
         finish = "stop"
         if isinstance(max_tokens, int) and len(words) > max_tokens:

@@ -169,6 +169,20 @@ def _build_store(
     return store
 
 
+def _build_llm_proxy(spec: Any, store: LightningStore) -> Any:
+    """The Trainer's ``llm_proxy`` (instance, class, dict, name or import path), recording into ``store``."""
+    if spec is None:
+        return None
+    from lightning_sql.llm_proxy import LLMProxy
+
+    proxy = build_component(
+        spec, name="llm_proxy", expected=LLMProxy, registry={"llm_proxy": LLMProxy},
+        inject={"store": store}, dict_default_type=LLMProxy,
+    )
+    proxy.set_store(store)
+    return proxy
+
+
 class _AlgorithmBundle:
     """``algorithm(store, event)``: sets up and runs the algorithm (or waits for the stop event)."""
 
@@ -185,6 +199,18 @@ class _AlgorithmBundle:
         self.val_dataset = val_dataset
 
     async def __call__(self, store: LightningStore, event: ExecutionEvent) -> None:
+        # A proxy in "asyncio" launch mode serves from this loop; the other modes were started by _execute.
+        proxy = self.trainer.llm_proxy
+        own_proxy = proxy is not None and proxy.launch_mode == "asyncio" and not proxy.is_running()
+        if own_proxy:
+            await proxy.start()
+        try:
+            await self._run(store, event)
+        finally:
+            if own_proxy:
+                await proxy.stop()
+
+    async def _run(self, store: LightningStore, event: ExecutionEvent) -> None:
         algorithm = self.algorithm
         if algorithm is None:
             while not event.is_set():
@@ -194,6 +220,7 @@ class _AlgorithmBundle:
         algorithm.set_store(store)
         algorithm.set_adapter(self.trainer.adapter)
         algorithm.set_initial_resources(self.trainer.initial_resources)
+        algorithm.set_llm_proxy(self.trainer.llm_proxy)
         if algorithm.is_async():
             work = asyncio.ensure_future(algorithm.run(self.train_dataset, self.val_dataset))
         else:
@@ -243,6 +270,10 @@ class Trainer:
     ``"type"`` and constructor kwargs.  ``store`` also takes a URL (default ``LIGHTNING_SQL_URL`` or
     ``sqlite:///lightning_sql.db``); ``run`` names the run (the same name resumes it);
     ``rollout_config`` is the lease of every rollout enqueued without its own config.
+
+    ``llm_proxy`` (an ``LLMProxy``, its class, a dict of its arguments, or a name / import path) records
+    the agents' model calls: the Trainer gives it its store, starts it before the runners, hands it to the
+    algorithm (``set_llm_proxy``) and stops it when ``fit`` ends.
     """
 
     def __init__(
@@ -264,6 +295,7 @@ class Trainer:
         n_workers: int | None = None,
         max_tasks: int | None = None,
         triplet_exporter: Any = None,
+        llm_proxy: Any = None,
     ) -> None:
         if n_workers is not None:
             warnings.warn("Trainer(n_workers=...) is deprecated; use n_runners", DeprecationWarning, stacklevel=2)
@@ -329,6 +361,7 @@ class Trainer:
         else:
             self.hooks = [build_component(h, name="hooks", expected=Hook) for h in hooks]
         self.store: LightningStore = _build_store(store, run, rollout_config)
+        self.llm_proxy = _build_llm_proxy(llm_proxy, self.store)
 
     @property
     def run(self) -> str | None:
@@ -357,7 +390,15 @@ class Trainer:
         logger.info("Trainer: store %s, run %s", getattr(self.store, "url", self.store), self.run)
         algorithm_bundle = _AlgorithmBundle(self, algorithm, train_dataset, val_dataset)
         runner_bundle = _RunnerBundle(self.runner, agent, self.hooks)
-        self.strategy.execute(algorithm_bundle, runner_bundle, self.store)
+        proxy = self.llm_proxy
+        own_proxy = proxy is not None and proxy.launch_mode != "asyncio" and not proxy.is_running()
+        if own_proxy:  # up before the first runner can claim a rollout
+            asyncio.run(proxy.start())
+        try:
+            self.strategy.execute(algorithm_bundle, runner_bundle, self.store)
+        finally:
+            if own_proxy:
+                asyncio.run(proxy.stop())
         mark = getattr(self.store, "mark_run_finished", None)
         if mark is not None:
             asyncio.run(mark())
