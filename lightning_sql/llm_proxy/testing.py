@@ -271,9 +271,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--model", default="stand-in")
+    parser.add_argument("--chunk-delay", type=float, default=0.0, help="seconds between stream chunks")
     args = parser.parse_args(argv)
-    uvicorn.run(StandInModel(args.model).app, host=args.host, port=args.port, log_level="warning",
-                access_log=False)
+    stand_in = StandInModel(args.model)
+    stand_in.chunk_delay = args.chunk_delay
+    uvicorn.run(stand_in.app, host=args.host, port=args.port, log_level="warning", access_log=False)
 
 
 if __name__ == "__main__":
