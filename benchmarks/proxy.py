@@ -33,6 +33,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
+import psutil
 
 from lightning_sql import SqlLightningStore
 from lightning_sql.llm_proxy import LLMProxy
@@ -117,12 +118,12 @@ async def overhead(client: httpx.AsyncClient, direct: str, proxied: str, n: int)
     }
 
 
-async def streams(client: httpx.AsyncClient, proxied: str, n: int) -> dict[str, float]:
+async def streams(shards: list[Any], proxied: str, n: int) -> dict[str, float]:
     expected = reply(PROMPT)
     errors = 0
     incomplete = 0
 
-    async def one() -> None:
+    async def one(client: Any) -> None:
         nonlocal errors, incomplete
         try:
             text = []
@@ -141,26 +142,47 @@ async def streams(client: httpx.AsyncClient, proxied: str, n: int) -> dict[str, 
             errors += 1
 
     started = time.perf_counter()
-    await asyncio.gather(*(one() for _ in range(n)))
+    await asyncio.gather(*(one(shards[i % len(shards)]) for i in range(n)))
     return {"streams": n, "errors": errors, "incomplete": incomplete, "wall_s": time.perf_counter() - started}
 
 
-async def recording(
-    client: httpx.AsyncClient, endpoints: list[str], calls: int, clients: int
-) -> dict[str, float]:
+def _cpu_s(pid: int) -> float:
+    times = psutil.Process(pid).cpu_times()
+    return float(times.user + times.system)
+
+
+async def _spread(
+    shards: list[httpx.AsyncClient], urls: list[str], body: dict[str, Any], calls: int, clients: int
+) -> tuple[float, int]:
+    """``calls`` POSTs from ``clients`` concurrent loops over ``urls``: (seconds, errors)."""
     errors = 0
     pending = iter(range(calls))
 
-    async def worker() -> None:
+    async def worker(client: httpx.AsyncClient) -> None:
         nonlocal errors
         for i in pending:
-            response = await client.post(endpoints[i % len(endpoints)] + "/v1/chat/completions", json=_body())
+            response = await client.post(urls[i % len(urls)], json=body)
             errors += response.status_code != 200
 
     started = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(clients)))
-    elapsed = time.perf_counter() - started
-    return {"calls": calls, "errors": errors, "calls_per_s": calls / elapsed}
+    await asyncio.gather(*(worker(shards[i % len(shards)]) for i in range(clients)))
+    return time.perf_counter() - started, errors
+
+
+async def recording(
+    shards: list[httpx.AsyncClient], direct: str, endpoints: list[str], proxy_pid: int, calls: int, clients: int
+) -> dict[str, float]:
+    direct_body = {**_body(), "model": "stand-in", "return_token_ids": True}
+    direct_s, _ = await _spread(shards, [direct + "/chat/completions"], direct_body, calls, clients)
+    cpu = _cpu_s(proxy_pid)
+    elapsed, errors = await _spread(shards, [e + "/v1/chat/completions" for e in endpoints], _body(), calls, clients)
+    return {
+        "calls": calls,
+        "errors": errors,
+        "calls_per_s": calls / elapsed,
+        "direct_calls_per_s": calls / direct_s,
+        "proxy_cpu_ms_per_call": (_cpu_s(proxy_pid) - cpu) / calls * 1e3,
+    }
 
 
 async def run(size: ProxyBenchSize, url: str | None, schema: str | None) -> tuple[dict[str, dict[str, float]], list[str]]:
@@ -180,24 +202,33 @@ async def run(size: ProxyBenchSize, url: str | None, schema: str | None) -> tupl
                 store=store, launch_mode="mp",
             )
             await proxy.start()
-            limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
+            # The client's connections are spread over several pools, as the proxy's are (httpcore's
+            # pool costs grow with its size: one big pool would measure the client, not the proxy).
+            limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+            shards = [httpx.AsyncClient(limits=limits, timeout=60.0, trust_env=False) for _ in range(8)]
+            client = shards[0]
             try:
-                async with httpx.AsyncClient(limits=limits, timeout=60.0, trust_env=False) as client:
-                    first = await store.start_rollout(input={"bench": "overhead"})
-                    base = proxy.as_resource(first.rollout_id, first.attempt.attempt_id, model="policy").endpoint
-                    results["overhead"] = await overhead(client, fast_url, base, size.overhead_calls)
+                first = await store.start_rollout(input={"bench": "overhead"})
+                base = proxy.as_resource(first.rollout_id, first.attempt.attempt_id, model="policy").endpoint
+                results["overhead"] = await overhead(client, fast_url, base, size.overhead_calls)
 
-                    stream_rollout = await store.start_rollout(input={"bench": "streams"})
-                    stream_base = proxy.as_resource(stream_rollout.rollout_id, stream_rollout.attempt.attempt_id, model="policy").endpoint
-                    stream_body_model = "policy-slow"
-                    results["streams"] = await streams(
-                        _ModelClient(client, stream_body_model), stream_base, size.streams
-                    )
+                stream_rollout = await store.start_rollout(input={"bench": "streams"})
+                stream_base = proxy.as_resource(
+                    stream_rollout.rollout_id, stream_rollout.attempt.attempt_id, model="policy"
+                ).endpoint
+                results["streams"] = await streams([_ModelClient(c, "policy-slow") for c in shards], stream_base,
+                                                   size.streams)
 
-                    attempts = [await store.start_rollout(input={"bench": i}) for i in range(size.record_attempts)]
-                    endpoints = [proxy.as_resource(r.rollout_id, r.attempt.attempt_id, model="policy").endpoint for r in attempts]
-                    results["recording"] = await recording(client, endpoints, size.record_calls, size.record_clients)
+                attempts = [await store.start_rollout(input={"bench": i}) for i in range(size.record_attempts)]
+                endpoints = [
+                    proxy.as_resource(r.rollout_id, r.attempt.attempt_id, model="policy").endpoint for r in attempts
+                ]
+                assert proxy.server_pid is not None
+                results["recording"] = await recording(
+                    shards, fast_url, endpoints, proxy.server_pid, size.record_calls, size.record_clients
+                )
             finally:
+                await asyncio.gather(*(c.aclose() for c in shards))
                 await proxy.stop()
             problems += await _check(store, first.rollout_id, stream_rollout.rollout_id, attempts, size, results)
         await store.close()
@@ -253,7 +284,10 @@ def format_results(results: dict[str, dict[str, float]]) -> str:
         f"added {o['overhead_p50_ms']:.2f} ms (p50 of pairwise differences; goal < 2 ms)",
         f"streams    {int(s['streams'])} concurrent: {int(s['errors'])} errors, {int(s['incomplete'])} incomplete, "
         f"{s['wall_s']:.2f} s",
-        f"recording  {int(r['calls'])} calls: {r['calls_per_s']:.0f} calls/s recorded (goal >= 1000 on SQLite)",
+        f"recording  {int(r['calls'])} calls: {r['calls_per_s']:.0f} calls/s recorded (goal >= 1000 on SQLite); "
+        f"the stand-in alone answers {r['direct_calls_per_s']:.0f} calls/s; proxy CPU "
+        f"{r['proxy_cpu_ms_per_call']:.2f} ms per call (capacity of one core: "
+        f"{1e3 / max(r['proxy_cpu_ms_per_call'], 1e-9):.0f} calls/s)",
     ])
 
 

@@ -260,9 +260,10 @@ class ProxyApp:
                 if not assembler.done:
                     yield chunk
                     continue
+                # Hold back the [DONE] event (or, when it began in an earlier chunk, the rest of it).
                 done_at = chunk.find(b"[DONE]")
                 cut = chunk.rfind(b"data:", 0, done_at) if done_at >= 0 else -1
-                head, tail = (chunk[:cut], chunk[cut:]) if cut >= 0 else (chunk, b"")
+                head, tail = (chunk[:cut], chunk[cut:]) if cut >= 0 else (b"", chunk)
                 if head:
                     yield head
                 self._finish_stream(record, assembler)

@@ -233,6 +233,11 @@ class LLMProxy:
     def is_running(self) -> bool:
         return self._server is not None and self._server.is_running()
 
+    @property
+    def server_pid(self) -> int | None:
+        """The id of the process serving the proxy (this one, except in ``mp`` mode), None when stopped."""
+        return self._server.pid if self._server is not None else None
+
     # --- resources -------------------------------------------------------------------------------
 
     def as_resource(

@@ -1,10 +1,11 @@
 """Attribution and storage of proxied calls: which rollout attempt a call belongs to, and its span.
 
 A call names its rollout and attempt in the URL (``/rollout/<rid>/attempt/<aid>/...``).  The recorder
-checks once per attempt that both exist (remembered afterwards), reserves the rollout's next span
-sequence id when the call arrives (so an attempt's calls are numbered in the order they were made),
-and stores the call's span with ``add_span`` when the call ends, before the client sees the end of
-the response, so a finished rollout's calls are already in the store.
+checks once per attempt that both exist (remembered afterwards) and stores the call's span with
+``add_otel_span`` when the call ends, before the client sees the end of the response, so a finished
+rollout's calls are already in the store.  The store gives the span the rollout's next sequence id in
+the transaction that inserts it: one write per call, and an attempt's calls are numbered in the order
+they end.
 
 A call whose rollout or attempt is unknown, or that names none, is recorded under the proxy's own
 *unattributed* rollout (started on first need, without lease, so the sweeper never requeues it) or
@@ -103,22 +104,18 @@ class SpanRecorder:
             return self.unattributed_target
 
     async def attribute(self, requested: tuple[str, str] | None) -> Attribution | None:
-        """Where the call's span goes, with its sequence id reserved; None: refuse the call."""
+        """Where the call's span goes; None: refuse the call."""
         if requested is not None and await self._exists(*requested):
-            rollout_id, attempt_id = requested
-            attributed = True
-        elif self.policy == "refuse":
+            return Attribution(requested[0], requested[1], attributed=True, requested=requested)
+        if self.policy == "refuse":
             return None
-        else:
-            rollout_id, attempt_id = await self._unattributed()
-            attributed = False
-        sequence_id = await self.store.get_next_span_sequence_id(rollout_id, attempt_id)
-        return Attribution(rollout_id, attempt_id, sequence_id, attributed=attributed, requested=requested)
+        rollout_id, attempt_id = await self._unattributed()
+        return Attribution(rollout_id, attempt_id, attributed=False, requested=requested)
 
     async def record(self, record: CallRecord, attribution: Attribution) -> None:
         """Store the call's span; a store failure is logged, never raised to the client."""
         try:
-            await self.store.add_span(build_span(record, attribution))
+            await self.store.add_otel_span(attribution.rollout_id, attribution.attempt_id, build_span(record, attribution))
         except Exception:  # noqa: BLE001 - the client already has its answer
             logger.exception(
                 "LLM proxy: could not store the span of a call for rollout %s attempt %s",

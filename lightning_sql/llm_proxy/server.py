@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -53,6 +54,11 @@ def _uvicorn_server(app: ProxyApp, host: str, port: int, shutdown_timeout: float
 
 class ProxyServer:
     """A started proxy server; ``stop()`` shuts it down gracefully."""
+
+    @property
+    def pid(self) -> int:
+        """The process that serves."""
+        return os.getpid()
 
     def is_running(self) -> bool:
         raise NotImplementedError
@@ -161,6 +167,10 @@ class ProcessServer(ProxyServer):
                     await self.stop()
                     raise RuntimeError(f"The LLM proxy process did not start within {timeout} s")
                 await asyncio.sleep(0.05)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid or 0
 
     def is_running(self) -> bool:
         return self.process.is_alive()

@@ -26,16 +26,19 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import orjson
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from lightning_sql.llm_proxy.config import Upstream
 from lightning_sql.llm_proxy.streaming import CallKind
-from lightning_sql.types import OtelResource, Span, TraceStatus
 
 __all__ = ["CallRecord", "Attribution", "build_span", "SPAN_NAMES", "PROXY_PREFIX"]
 
 SPAN_NAMES: dict[CallKind, str] = {"chat": "openai.chat.completion", "completion": "openai.completion"}
 PROXY_PREFIX = "lightning_sql.proxy"
-_RESOURCE = OtelResource(attributes={"service.name": "lightning_sql.llm_proxy"}, schema_url="")
+_RESOURCE = Resource.create({"service.name": "lightning_sql.llm_proxy"})
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 
 # Request parameters recorded as gen_ai.request.<name> (semantic-convention names where they exist).
 _REQUEST_PARAMS: dict[str, str] = {
@@ -61,7 +64,6 @@ class Attribution:
 
     rollout_id: str
     attempt_id: str
-    sequence_id: int
     attributed: bool = True
     """False: stored under the proxy's unattributed rollout."""
     requested: tuple[str, str] | None = None
@@ -192,8 +194,9 @@ def _response_attributes(attrs: dict[str, Any], record: CallRecord) -> None:
             attrs["logprobs.content"] = orjson.dumps(content).decode()
 
 
-def build_span(record: CallRecord, attribution: Attribution) -> Span:
-    """The span that stores ``record`` under ``attribution``."""
+def build_span(record: CallRecord, attribution: Attribution) -> ReadableSpan:
+    """The span that stores ``record`` under ``attribution`` (an OpenTelemetry span: ``add_otel_span``
+    gives it the rollout's next sequence id in the same transaction that stores it)."""
     record.finish()
     attrs: dict[str, Any] = {
         "gen_ai.operation.name": "chat" if record.kind == "chat" else "text_completion",
@@ -224,24 +227,23 @@ def build_span(record: CallRecord, attribution: Attribution) -> Span:
         if attribution.requested is not None:
             attrs[f"{PROXY_PREFIX}.requested_rollout_id"] = attribution.requested[0]
             attrs[f"{PROXY_PREFIX}.requested_attempt_id"] = attribution.requested[1]
-    status = TraceStatus(status_code="OK")
+    status = Status(StatusCode.OK)
     if record.error_type is not None:
         attrs["error.type"] = record.error_type
         if record.error_message:
             attrs[f"{PROXY_PREFIX}.error"] = record.error_message[:4000]
-        status = TraceStatus(status_code="ERROR", description=record.error_message or record.error_type)
+        status = Status(StatusCode.ERROR, record.error_message or record.error_type)
     trace_id, parent_id = record.trace_parent or (secrets.token_hex(16), None)
-    return Span.from_attributes(
-        attributes=attrs,
-        rollout_id=attribution.rollout_id,
-        attempt_id=attribution.attempt_id,
-        sequence_id=attribution.sequence_id,
+    context = SpanContext(int(trace_id, 16), int(record.span_id, 16), is_remote=False, trace_flags=_SAMPLED)
+    parent = SpanContext(int(trace_id, 16), int(parent_id, 16), is_remote=True, trace_flags=_SAMPLED) if parent_id else None
+    return ReadableSpan(
         name=SPAN_NAMES[record.kind],
-        trace_id=trace_id,
-        span_id=record.span_id,
-        parent_id=parent_id,
-        start_time=record.start_time,
-        end_time=record.end_time,
+        context=context,
+        parent=parent,
         resource=_RESOURCE,
+        attributes=attrs,
+        kind=SpanKind.CLIENT,
         status=status,
+        start_time=int(record.start_time * 1e9),
+        end_time=int(record.end_time * 1e9),
     )

@@ -1,4 +1,4 @@
-"""Forwarding to the model servers: one pooled ``httpx.AsyncClient`` per proxy event loop.
+"""Forwarding to the model servers: pooled ``httpx.AsyncClient`` connections, per proxy event loop.
 
 ``UpstreamClient.send`` picks an upstream for the model name (``ModelRouter``), rewrites the body for
 it (its model name, its default parameters, ``return_token_ids`` for vLLM, ``logprobs`` when asked),
@@ -10,6 +10,7 @@ each time.  A read timeout is not retried: the upstream may still be generating.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,10 @@ logger = logging.getLogger(__name__)
 
 ROUTES: dict[CallKind, str] = {"chat": "/chat/completions", "completion": "/completions"}
 _MAX_BACKOFF_S = 5.0
+# httpcore's pool looks at every one of its connections whenever a request starts or ends (an
+# expiry check that asks the socket whether it is readable), so a call's cost grows with the pool's
+# size. Calls are spread round-robin over this many smaller pools instead of one large one.
+POOL_SHARDS = 8
 
 
 @dataclass
@@ -79,22 +84,26 @@ class UpstreamClient:
 
     def __init__(self, settings: ProxySettings) -> None:
         self.settings = settings
-        limits = httpx.Limits(
-            max_connections=settings.max_connections, max_keepalive_connections=settings.max_connections
-        )
-        self._timeout = httpx.Timeout(settings.request_timeout, connect=settings.connect_timeout)
-        self._client = httpx.AsyncClient(limits=limits, timeout=self._timeout, trust_env=False)
+        per_shard = max(-(-settings.max_connections // POOL_SHARDS), 1)
+        limits = httpx.Limits(max_connections=per_shard, max_keepalive_connections=per_shard)
+        timeout = httpx.Timeout(settings.request_timeout, connect=settings.connect_timeout)
+        self._clients = [
+            httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) for _ in range(POOL_SHARDS)
+        ]
+        self._turn = itertools.cycle(self._clients)
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        await asyncio.gather(*(client.aclose() for client in self._clients))
 
-    def _request(self, upstream: Upstream, kind: CallKind, body: dict[str, Any], stream: bool) -> httpx.Request:
+    def _request(
+        self, client: httpx.AsyncClient, upstream: Upstream, kind: CallKind, body: dict[str, Any], stream: bool
+    ) -> httpx.Request:
         headers = {"content-type": "application/json", "accept": "text/event-stream" if stream else "application/json"}
         if upstream.api_key:
             headers["authorization"] = f"Bearer {upstream.api_key}"
         headers.update(upstream.extra_headers)
         read = (upstream.stream_timeout if stream else None) or upstream.timeout or self.settings.request_timeout
-        return self._client.build_request(
+        return client.build_request(
             "POST",
             upstream.api_base + ROUTES[kind],
             content=orjson.dumps(upstream_body(body, upstream, kind, self.settings.logprobs)),
@@ -118,7 +127,8 @@ class UpstreamClient:
             tried.append(upstream)
             last = attempt == attempts - 1
             try:
-                response = await self._client.send(self._request(upstream, kind, body, stream), stream=True)
+                client = next(self._turn)
+                response = await client.send(self._request(client, upstream, kind, body, stream), stream=True)
             except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.WriteError) as exc:
                 router.release(upstream)
                 if last:
