@@ -11,7 +11,9 @@ Three processes: the stand-in model server (``lightning_sql.llm_proxy.testing``)
 * **streams**: N concurrent streamed calls through the proxy (the stand-in spaces its chunks so they
   overlap); errors, incomplete streams and spans missing their token ids are counted.
 * **recording**: M non-streamed calls from C concurrent clients spread over A attempts; calls per second
-  and, checked afterwards, that every call is stored once, in its attempt, with its token ids.
+  and, checked afterwards, that every call is stored once, in its attempt, with its token ids.  Beside
+  it: the stand-in's own throughput at that concurrency, the proxy process's CPU per call, and the
+  recorder alone (``SpanRecorder``: attribution, span building and storing, no HTTP) in this process.
 
 Figures are printed, never asserted (tests/llm_proxy/test_benchmark_smoke.py runs it at a tiny size).
 """
@@ -37,6 +39,8 @@ import psutil
 
 from lightning_sql import SqlLightningStore
 from lightning_sql.llm_proxy import LLMProxy
+from lightning_sql.llm_proxy.recorder import SpanRecorder
+from lightning_sql.llm_proxy.spans import CallRecord
 from lightning_sql.llm_proxy.testing import reply, tokenize
 
 
@@ -227,10 +231,13 @@ async def run(size: ProxyBenchSize, url: str | None, schema: str | None) -> tupl
                 results["recording"] = await recording(
                     shards, fast_url, endpoints, proxy.server_pid, size.record_calls, size.record_clients
                 )
+                alone = [await store.start_rollout(input={"bench": f"recorder {i}"}) for i in range(size.record_attempts)]
+                results["recorder"] = await recorder_alone(store, alone, size.record_calls, size.record_clients)
             finally:
                 await asyncio.gather(*(c.aclose() for c in shards))
                 await proxy.stop()
             problems += await _check(store, first.rollout_id, stream_rollout.rollout_id, attempts, size, results)
+            problems += await _check_attempts(store, alone, size.record_calls, "recorder")
         await store.close()
     return results, problems
 
@@ -265,16 +272,54 @@ async def _check(
     for key in ("errors", "incomplete"):
         if results["streams"][key]:
             problems.append(f"streams: {int(results['streams'][key])} {key}")
+    problems += await _check_attempts(store, attempts, size.record_calls, "recording")
+    if results["recording"]["errors"]:
+        problems.append(f"recording: {int(results['recording']['errors'])} calls failed")
+    return problems
+
+
+async def _check_attempts(store: SqlLightningStore, attempts: list[Any], calls: int, phase: str) -> list[str]:
+    """Every call stored once, in its attempt, numbered 1..n, with its token ids."""
+    problems = []
+    prompt_ids, response_ids = tokenize(PROMPT), tokenize(reply(PROMPT))
     stored = 0
     for r in attempts:
         spans = list(await store.query_spans(r.rollout_id, r.attempt.attempt_id))
         stored += len(spans)
         sequence_ids = [s.sequence_id for s in spans]
-        if sequence_ids != list(range(1, len(spans) + 1)) or not complete(spans):
-            problems.append(f"recording: rollout {r.rollout_id} has sequence ids {sequence_ids[:10]}…")
-    if stored != size.record_calls or results["recording"]["errors"]:
-        problems.append(f"recording: {stored} spans stored for {size.record_calls} calls")
+        complete = all(s.attributes.get("prompt_token_ids") == prompt_ids
+                       and s.attributes.get("response_token_ids") == response_ids for s in spans)
+        if sequence_ids != list(range(1, len(spans) + 1)) or not complete:
+            problems.append(f"{phase}: rollout {r.rollout_id} has sequence ids {sequence_ids[:10]}…")
+    if stored != calls:
+        problems.append(f"{phase}: {stored} spans stored for {calls} calls")
     return problems
+
+
+async def recorder_alone(store: SqlLightningStore, attempts: list[Any], calls: int, clients: int) -> dict[str, float]:
+    """Calls per second the recorder stores (attribution + span + add_otel_span), without HTTP."""
+    recorder = SpanRecorder(lambda: store, "record")
+    answer = reply(PROMPT)
+    response = {
+        "id": "chatcmpl-bench", "model": "stand-in", "prompt_token_ids": tokenize(PROMPT),
+        "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": answer},
+                     "token_ids": tokenize(answer)}],
+        "usage": {"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11},
+    }
+    pending = iter(range(calls))
+
+    async def worker() -> None:
+        for i in pending:
+            target = attempts[i % len(attempts)]
+            record = CallRecord(kind="chat", request=_body(), stream=False, status_code=200, response=response)
+            record.finish()
+            attribution = await recorder.attribute((target.rollout_id, target.attempt.attempt_id))
+            assert attribution is not None
+            await recorder.record(record, attribution)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(clients)))
+    return {"calls": calls, "calls_per_s": calls / (time.perf_counter() - started)}
 
 
 def format_results(results: dict[str, dict[str, float]]) -> str:
@@ -288,6 +333,7 @@ def format_results(results: dict[str, dict[str, float]]) -> str:
         f"the stand-in alone answers {r['direct_calls_per_s']:.0f} calls/s; proxy CPU "
         f"{r['proxy_cpu_ms_per_call']:.2f} ms per call (capacity of one core: "
         f"{1e3 / max(r['proxy_cpu_ms_per_call'], 1e-9):.0f} calls/s)",
+        f"recorder   alone (no HTTP): {results['recorder']['calls_per_s']:.0f} calls/s stored",
     ])
 
 

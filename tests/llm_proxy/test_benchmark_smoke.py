@@ -10,4 +10,5 @@ async def test_proxy_benchmark_runs_and_every_call_is_stored() -> None:
     assert problems == []
     assert results["streams"]["errors"] == 0 and results["recording"]["errors"] == 0
     assert results["recording"]["calls"] == SIZES["tiny"].record_calls
+    assert results["recorder"]["calls"] == SIZES["tiny"].record_calls
     assert "calls/s recorded" in format_results(results)
