@@ -180,3 +180,38 @@ def test_sqlite_memory_store_is_fine_in_thread_mode(stand_in: StandInModelServer
         await store.close()
 
     asyncio.run(go())
+
+
+def test_code_written_for_agentlightning_runs_with_the_bridge_store(
+    tmp_path: Path, stand_in: StandInModelServer
+) -> None:
+    """Agent-Lightning-style code: its store (the bridge), a claimed rollout, the openai SDK, its adapter."""
+    agl = pytest.importorskip("agentlightning")
+    from openai import AsyncOpenAI
+
+    from lightning_sql.contrib.agentlightning import AgentLightningSqlStore
+
+    async def go() -> None:
+        store = AgentLightningSqlStore(f"sqlite:///{tmp_path / 'bridge.db'}", run="bridge")
+        proxy = LLMProxy(model_list=[model_entry(stand_in.url)], store=store)  # type: ignore[arg-type]
+        await proxy.start()
+        await store.enqueue_rollout(input={"q": 1})
+        claimed = await store.dequeue_rollout(worker_id="w1")
+        assert claimed is not None
+        client = AsyncOpenAI(base_url=proxy.as_resource(claimed.rollout_id, claimed.attempt.attempt_id).endpoint,
+                             api_key="unused", max_retries=0)
+        messages = [{"role": "user", "content": "What is 3 + 4?"}]
+        await client.chat.completions.create(model=MODEL, messages=messages)  # type: ignore[arg-type]
+        stream = await client.chat.completions.create(model=MODEL, messages=messages, stream=True)  # type: ignore[arg-type]
+        [chunk async for chunk in stream]
+        await client.close()
+        await proxy.stop()
+        spans = list(await store.query_spans(claimed.rollout_id))
+        assert [s.sequence_id for s in spans] == [1, 2]
+        triplets = agl.TracerTraceToTriplet().adapt(spans)
+        prompt = "<|user|> What is 3 + 4? <|assistant|>"
+        assert [t.prompt["token_ids"] for t in triplets] == [tokenize(prompt)] * 2
+        assert [t.response["token_ids"] for t in triplets] == [tokenize(reply(prompt))] * 2
+        await store.close()
+
+    asyncio.run(go())
