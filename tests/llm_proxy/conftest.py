@@ -14,11 +14,6 @@ from lightning_sql.llm_proxy.testing import StandInModelServer
 from lightning_sql.store.base import LightningStore
 from lightning_sql.types import Span
 
-pytest.importorskip("starlette")
-pytest.importorskip("uvicorn")
-pytest.importorskip("httpx")
-pytest.importorskip("openai")
-
 MODEL = "policy"
 
 
