@@ -325,12 +325,14 @@ async def recorder_alone(store: SqlLightningStore, attempts: list[Any], calls: i
 def format_results(results: dict[str, dict[str, float]]) -> str:
     o, s, r = results["overhead"], results["streams"], results["recording"]
     return "\n".join([
-        f"overhead   p50 direct {o['direct_p50_ms']:.2f} ms, proxied {o['proxied_p50_ms']:.2f} ms, "
-        f"added {o['overhead_p50_ms']:.2f} ms (p50 of pairwise differences; goal < 2 ms)",
+        f"overhead   p50 direct {o['direct_p50_ms']:.2f} ms, proxied {o['proxied_p50_ms']:.2f} ms "
+        f"(x{o['proxied_p50_ms'] / o['direct_p50_ms']:.2f}), added {o['overhead_p50_ms']:.2f} ms "
+        "(p50 of pairwise differences; goal < 2 ms)",
         f"streams    {int(s['streams'])} concurrent: {int(s['errors'])} errors, {int(s['incomplete'])} incomplete, "
         f"{s['wall_s']:.2f} s",
         f"recording  {int(r['calls'])} calls: {r['calls_per_s']:.0f} calls/s recorded (goal >= 1000 on SQLite); "
-        f"the stand-in alone answers {r['direct_calls_per_s']:.0f} calls/s; proxy CPU "
+        f"the stand-in alone answers {r['direct_calls_per_s']:.0f} calls/s "
+        f"(x{r['calls_per_s'] / r['direct_calls_per_s']:.2f}); proxy CPU "
         f"{r['proxy_cpu_ms_per_call']:.2f} ms per call (capacity of one core: "
         f"{1e3 / max(r['proxy_cpu_ms_per_call'], 1e-9):.0f} calls/s)",
         f"recorder   alone (no HTTP): {results['recorder']['calls_per_s']:.0f} calls/s stored",
