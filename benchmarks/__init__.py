@@ -1,4 +1,4 @@
-"""Benchmarks of lightning_sql against Agent-Lightning 0.3's stores (see BENCHMARKS.md, docs/performance.md).
+"""Benchmarks of lightning_sql against Agent-Lightning 0.3's stores (docs/performance.md).
 
 ``python -m benchmarks [WORKLOAD ...] --backend sqlite|postgres|all [--repeat N] [--size small|full]``
 

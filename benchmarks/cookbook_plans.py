@@ -11,7 +11,7 @@ then runs every PostgreSQL block of docs/analysis.md with ``EXPLAIN (ANALYZE)`` 
 freshly analysed and alternating between the two every round, and prints each block's execution time
 (median of ``--repeat`` rounds), the ratio and whether the plan's shape (its node types) differs.
 Deleting the columns' statistics needs a superuser, as the revision's own clean-up does.
-No figure is asserted: this is a diagnostic (docs/performance.md, sixteenth pass).
+No figure is asserted: this is a diagnostic.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ size of the run; a falling one, that something scans the run.  ``--no-analyze`` 
 tables (PostgreSQL, as autovacuum would), so the measured run starts in tables whose statistics
 know only the earlier run (ADR 0007).
 The correctness checks of W1 (every rollout claimed once) run on every phase.  No figure is
-asserted anywhere: this is a diagnostic (docs/performance.md, fourteenth pass).
+asserted anywhere: this is a diagnostic.
 """
 
 from __future__ import annotations

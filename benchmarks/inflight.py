@@ -7,9 +7,9 @@ first, no read-back) on a fresh PostgreSQL schema and reports, per lifecycle, th
 the client process's CPU, the share of the wall time during which at least one statement is in
 flight (from asyncpg's ``PreparedStatement.fetch`` being called to its return), and each kind of
 statement: how many ran and how long each was in flight on average.  A share near 70% with
-exactly four statements per turn of R lifecycles is the lock-step of the twenty-third pass
-(docs/performance.md): every runner waits on the same statement, so the client works while the
-server waits and the reverse; near 95%, the runners fell into cohorts that overlap.
+exactly four statements per turn of R lifecycles is lock-step: every runner waits on the same
+statement, so the client works while the server waits and the reverse; near 95%, the runners fell
+into cohorts that overlap.
 
 It wraps ``asyncpg.prepared_stmt.PreparedStatement.fetch`` for the duration of the measurement (a
 timer around the driver's call, the call itself unchanged) and restores it after.  The correctness

@@ -1,4 +1,4 @@
-"""Span payloads of BENCHMARKS.md: ~1.4 KB flat attributes (seed 1), ~5.4 KB nested with ``heavy``.
+"""Span payloads of docs/performance.md: ~1.4 KB flat attributes (seed 1), ~5.4 KB nested with ``heavy``.
 
 Spans are built from a few validated templates with ``model_copy`` so that building them costs the
 same small, constant amount for every store under test (the store's own work is what is measured).

@@ -8,10 +8,10 @@ alternating inside each repetition, each on a fresh store (a fresh schema on Pos
 reports per lifecycle and per phase: the wall time, this process's CPU, the database server's CPU
 (PostgreSQL: every process named ``postgres`` on this machine, read from ``/proc`` by psutil, so
 run it where nothing else uses that server), and the collector's time by generation (``gc.callbacks``:
-the young collections a store's objects in flight lengthen; the twenty-fifth pass). A full
+the young collections a store's objects in flight lengthen). A full
 collection runs before each target, outside the timings.  The correctness check of W1 (every
 rollout claimed once) runs on every repetition.  No figure is asserted anywhere: this is a
-diagnostic (docs/performance.md, the twenty-fourth and twenty-fifth passes).
+diagnostic.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ GOALS: dict[tuple[str, str, str, str], tuple[str, float]] = {
     ("W2", "", "postgres", "B1"): (">=", 0.6),
     ("W4", "dequeue R=8", "postgres", "P0"): (">=", 0.9),
     ("W4", "dequeue R=8", "sqlite", "P0"): (">=", 0.8),
-    # BENCHMARKS.md's two read-backs (the long trace read a page at a time is a case of ours: no goal)
+    # docs/performance.md's two read-backs (the long trace read a page at a time is a case of ours: no goal)
     ("W6", "query_spans x", "sqlite", "B1"): (">=", 0.5),
     ("W6", "query_spans x", "postgres", "B1"): (">=", 0.5),
     ("W6", "query_rollouts", "sqlite", "B1"): (">=", 0.5),
@@ -149,17 +149,14 @@ def _collector_settled(freeze: bool, collect: bool = True) -> Any:
     the collector's reach for the measurement.
 
     This process holds ~0.7 million objects before any store exists (agentlightning's import graph:
-    litellm, openai, ...).  Every full collection walks them, 0.44-0.55 s here, and CPython starts one
+    litellm, openai, ...).  Every full collection walks them, about half a second, and CPython starts one
     when the objects promoted since the last one exceed a quarter of the heap.  Without a collection
     between targets, what the previous target left (B1 keeps every span it was given; B2's server
     as much, plus its HTTP objects) counts towards that quarter, and the full collection lands in
-    whichever target allocates next: SQLite's W1 run right after B1's in one process paid a full
-    collection of 0.40-0.43 s (877 and 907 rollouts/s) and none after a collection (1,101 and 1,175;
-    twenty-second pass), a W4 R=128 SQLite repetition ran at 3,800 claims/s instead of 25,000
-    (eighth pass).  ``--no-collect`` measures that way.  A real process of either
-    store holds its imports too, so even the default measures with them; frozen, a collection
-    during a measurement walks only what the measurement made (a diagnostic: docs/performance-
-    history.md, eighth pass)."""
+    whichever target allocates next, and that target looks slower for work it did not do.
+    ``--no-collect`` measures that way.  A real process of either store holds its imports too, so
+    even the default measures with them; frozen, a collection during a measurement walks only what
+    the measurement made (a diagnostic)."""
     if freeze or collect:
         gc.collect()
     if not freeze:
@@ -345,7 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--no-collect",
         action="store_true",
         help="no full collection before each measurement: a target may pay for the garbage of the one "
-        "measured before it (how runs before the twenty-second pass measured)",
+        "measured before it",
     )
     args = parser.parse_args(argv)
     if args.repeat < 1:

@@ -1,4 +1,4 @@
-"""Workloads W1-W8 of BENCHMARKS.md, written once against the public ``LightningStore`` API.
+"""Workloads W1-W8 of docs/performance.md, written once against the public ``LightningStore`` API.
 
 Every workload function takes an opened :class:`~benchmarks.targets.Target` and a :class:`Size` and
 returns a :class:`Measurement`: its figures (the first one is the headline throughput) and the
@@ -167,8 +167,7 @@ class RssSampler:
 class CollectorTime:
     """Time this process spends in the garbage collector while the block runs (``gc.callbacks``),
     young collections (generations 0 and 1) and full ones apart, in seconds.  A store's objects in
-    flight are what its young collections walk: in W1 on PostgreSQL at R=32 the store's process
-    spent 135 us per lifecycle in them where B1's spent 25 (twenty-fifth pass)."""
+    flight are what its young collections walk, so a store that keeps many of them alive pays here."""
 
     def __init__(self) -> None:
         self.young = 0.0

@@ -15,11 +15,11 @@ __version__ = "0.1.0"
 _RUNTIME_NAMES = (
     "Adapter", "TraceAdapter", "TracerTraceToTriplet", "TraceTree", "RewardMatchPolicy",
     "LitAgent", "FunctionalLitAgent", "rollout", "llm_rollout", "prompt_rollout",
-    "Algorithm", "FastAlgorithm", "Baseline", "with_store", "ParallelWorkerBase",
+    "Algorithm", "FastAlgorithm", "Baseline", "PromptSearch", "with_store", "ParallelWorkerBase",
     "ExecutionEvent", "ExecutionStrategy", "InProcessExecutionStrategy", "ProcessExecutionStrategy",
     "Hook", "Runner", "LitAgentRunner", "system_snapshot",
     "Tracer", "OtelTracer", "NoopTracer", "emit_reward", "emit_message", "emit_object", "get_active_tracer",
-    "Trainer", "DEFAULT_ROLLOUT_CONFIG", "run_worker", "run_worker_async",
+    "Trainer", "FitSummary", "RunChangedError", "DEFAULT_ROLLOUT_CONFIG", "run_worker", "run_worker_async",
 )  # fmt: skip
 
 __all__ = [  # noqa: F405 - LLMProxy and the runtime names come from __getattr__

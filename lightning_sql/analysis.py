@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from sqlalchemy import BigInteger, Float, Integer, Select, Table, and_, func, or_, select, text
 
 from lightning_sql.store.sql import schema as s
-from lightning_sql.store.sql.engine import UnitContext
+from lightning_sql.store.sql.executor import UnitContext
 from lightning_sql.store.sql.store import SqlLightningStore
 from lightning_sql.store.sql.views import VIEW_TABLES
 
@@ -205,10 +205,12 @@ class AnalysisDatabase:
         return self.store._schema if self.dialect == "postgresql" else None
 
     def read(self, unit: Callable[[UnitContext], T]) -> T:
-        """Run ``unit(ctx)`` in one read transaction and return its result."""
+        """Run ``unit(ctx)`` in one read transaction (one snapshot) and return its result."""
         if self._worker is None:
             self._worker, _ = _run_coroutine(lambda: self.store._prepare(needs_run=False))
-        future = self._worker.submit(unit, write=False, deadline_s=self.store.connect_deadline_seconds)
+        future = self._worker.submit(
+            unit, write=False, deadline_s=self.store.connect_deadline_seconds, snapshot=True
+        )
         return future.result()  # type: ignore[no-any-return]
 
     def rows(self, stmt: Any) -> tuple[list[str], list[tuple[Any, ...]]]:

@@ -20,13 +20,12 @@ transaction-local ``search_path``); the version table is put there explicitly
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 from logging.config import fileConfig
 from typing import Any
 
 from alembic import context
-from sqlalchemy import Connection, create_engine, event, make_url, pool
+from sqlalchemy import Connection, make_url, pool
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import create_async_engine
 
@@ -85,29 +84,16 @@ def _schema_by_hand(url: URL) -> str | None:
 
 
 def _migrate_sqlite_by_hand(url: URL) -> None:
-    engine = create_engine(url, poolclass=pool.NullPool)
+    from lightning_sql.store.sql.sqlite_executor import migration_transaction, sqlite_engine
 
-    @event.listens_for(engine, "connect")
-    def _manual_transactions(dbapi_connection: Any, _record: Any) -> None:
-        dbapi_connection.isolation_level = None  # let BEGIN IMMEDIATE below be the only BEGIN
-        # Before any transaction (DESIGN §6): batch mode rebuilds tables.
-        dbapi_connection.execute("PRAGMA foreign_keys=OFF")
-
-    @event.listens_for(engine, "begin")
-    def _begin_immediate(conn: Connection) -> None:
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
-
-    database = url.database
-    lock = (
-        migrate.migration_file_lock(database)
-        if database and database != ":memory:"
-        else contextlib.nullcontext()
-    )
-    with lock, engine.connect() as connection:
-        with connection.begin():
+    database = url.database if url.database and url.database != ":memory:" else None
+    engine = sqlite_engine(database or ":memory:")
+    try:
+        with engine.connect() as connection, migration_transaction(connection, database):
             run_migrations_on(connection, None)
             migrate.check_sqlite_foreign_keys(connection)
-    engine.dispose()
+    finally:
+        engine.dispose()
 
 
 async def _migrate_postgresql_by_hand(url: URL, schema: str | None) -> None:

@@ -22,7 +22,7 @@ down_revision: str | None = ${repr(down_revision)}
 branch_labels: str | None = ${repr(branch_labels)}
 depends_on: str | None = ${repr(depends_on)}
 
-# False when code that does not know this revision must refuse the database (store-contract §4).
+# False when code that does not know this revision must refuse the database (docs/store-contract.md §4).
 compatible_with_older_code = True
 
 

@@ -34,6 +34,16 @@ else
   echo "pg_isready not found: PostgreSQL tests will skip (or fail under LIGHTNING_SQL_REQUIRE_POSTGRES=1)"
 fi
 
+echo "== pgbouncer"
+# tests/faults starts Debian's pgbouncer in front of a throwaway cluster (PgBouncer in transaction mode).
+if ! command -v pgbouncer >/dev/null 2>&1 && [ ! -x /usr/sbin/pgbouncer ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get update -qq && apt-get install -y -qq pgbouncer >/dev/null
+  else
+    echo "pgbouncer not found (apt-get install -y pgbouncer): its tests will skip (or fail under LIGHTNING_SQL_REQUIRE_POSTGRES=1)"
+  fi
+fi
+
 echo "== lint and types"
 "$PYTHON" -m ruff check lightning_sql tests benchmarks examples
 "$PYTHON" -m mypy lightning_sql

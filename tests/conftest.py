@@ -1,4 +1,4 @@
-"""Shared fixtures: one store factory parametrised over every backend (contract suite, DESIGN §8).
+"""Shared fixtures: one store factory parametrised over every backend (docs/architecture.md §12).
 
 Backends: ``sqlite_file`` (writer thread), ``sqlite_memory``, ``aiosqlite`` and ``postgres``
 (asyncpg, one throwaway PostgreSQL schema per test, dropped afterwards).  PostgreSQL tests skip when

@@ -2,8 +2,8 @@
 
 ``agl.Trainer(store=AgentLightningSqlStore("sqlite:///run.db", run="exp1"))`` runs Agent-Lightning's own
 trainer, runners, execution strategies and ``LightningStoreServer`` on a ``SqlLightningStore``
-(contract §3.9). Every method of upstream's ``LightningStore`` is implemented with upstream's exact
-signature and delegates to the wrapped store, converting models both ways:
+(docs/store-contract.md §3.9). Every method of upstream's ``LightningStore`` is implemented with
+upstream's exact signature and delegates to the wrapped store, converting models both ways:
 
 * arguments: ``agentlightning`` models (``RolloutConfig``, ``EnqueueRolloutRequest``, ``Span``, resources)
   become ``lightning_sql`` models and ``agentlightning``'s ``UNSET`` becomes ours; anything else
@@ -196,7 +196,7 @@ class AgentLightningSqlStore(AglLightningStore):
         **store_options: ``SqlLightningStore`` constructor options (``run=``, ``schema=``,
             ``default_rollout_config=`` — an agentlightning or lightning_sql ``RolloutConfig`` —, …).
             Unless given, ``clock=None`` and ``clock_sync=False``: every timestamp is the calling host's
-            ``time.time()`` at call time, Agent-Lightning's convention (contract §0.2).
+            ``time.time()`` at call time, Agent-Lightning's convention (docs/store-contract.md §0.2).
     """
 
     def __init__(self, url_or_store: str | URL | SqlLightningStore, **store_options: Any) -> None:

@@ -1,4 +1,7 @@
-"""The runtime around the store: trainer, algorithms, agents, runners, tracers, adapters (contract §3)."""
+"""The runtime around the store: trainer, algorithms, agents, runners, tracers, adapters.
+
+Their behaviour is specified in docs/store-contract.md §3.
+"""
 
 from lightning_sql.runtime.adapter import (
     Adapter,
@@ -16,8 +19,11 @@ from lightning_sql.runtime.execution import (
     InProcessExecutionStrategy,
     ProcessExecutionStrategy,
 )
+from lightning_sql.runtime.fingerprint import RunChangedError
 from lightning_sql.runtime.hooks import Hook
+from lightning_sql.runtime.prompt_search import PromptSearch
 from lightning_sql.runtime.runner import LitAgentRunner, Runner, system_snapshot
+from lightning_sql.runtime.summary import FitSummary
 from lightning_sql.runtime.tracer import (
     NoopTracer,
     OtelTracer,
@@ -44,6 +50,7 @@ __all__ = [
     "Algorithm",
     "FastAlgorithm",
     "Baseline",
+    "PromptSearch",
     "with_store",
     "ParallelWorkerBase",
     "ExecutionEvent",
@@ -62,6 +69,8 @@ __all__ = [
     "emit_object",
     "get_active_tracer",
     "Trainer",
+    "FitSummary",
+    "RunChangedError",
     "DEFAULT_ROLLOUT_CONFIG",
     "run_worker",
     "run_worker_async",

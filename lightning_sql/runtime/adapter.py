@@ -1,4 +1,4 @@
-"""Adapters: turn an attempt's spans into training data (contract §3.4).
+"""Adapters: turn an attempt's spans into training data (docs/store-contract.md §3.4).
 
 ``TracerTraceToTriplet`` reads these span attributes (documented in docs/distributed.md):
 

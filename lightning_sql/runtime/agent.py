@@ -1,4 +1,4 @@
-"""``LitAgent`` and the ``@rollout`` decorators (contract §3.2)."""
+"""``LitAgent`` and the ``@rollout`` decorators (docs/store-contract.md §3.2)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Algorithms: what enqueues rollouts and consumes their results (contract §3.5)."""
+"""Algorithms: what enqueues rollouts and consumes their results (docs/store-contract.md §3.5)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,19 @@ import functools
 import inspect
 import logging
 import weakref
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from lightning_sql.types import FINISHED_STATUSES, NamedResources, Rollout, RolloutConfig, RolloutMode
+from lightning_sql.runtime.fingerprint import canonical_json, content_digest
+from lightning_sql.types import (
+    FINISHED_STATUSES,
+    NamedResources,
+    ResourcesUpdate,
+    Rollout,
+    RolloutConfig,
+    RolloutMode,
+)
 
 if TYPE_CHECKING:
     from lightning_sql.llm_proxy import LLMProxy
@@ -18,7 +27,15 @@ if TYPE_CHECKING:
     from lightning_sql.runtime.trainer import Trainer
     from lightning_sql.store.base import LightningStore
 
-__all__ = ["Algorithm", "FastAlgorithm", "Baseline", "with_store", "baseline_key"]
+__all__ = [
+    "Algorithm",
+    "FastAlgorithm",
+    "Baseline",
+    "with_store",
+    "baseline_key",
+    "sample_keys",
+    "publish_resources",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +107,16 @@ class Algorithm:
     def run(self, train_dataset: Sequence[Any] | None = None, val_dataset: Sequence[Any] | None = None) -> Any:
         raise NotImplementedError(f"{type(self).__name__} must implement run()")
 
+    def settings(self) -> dict[str, Any]:
+        """The settings that decide which rollouts ``run`` enqueues; part of a run's fingerprint (JSON)."""
+        return {}
+
+    def expected_rollouts(
+        self, train_dataset: Sequence[Any] | None = None, val_dataset: Sequence[Any] | None = None
+    ) -> int | None:
+        """How many rollouts ``run`` will have finished in the run when it returns (for progress bars); None: unknown."""
+        return None
+
 
 class FastAlgorithm(Algorithm):
     """Marker for algorithms cheap enough for ``Trainer.dev()``."""
@@ -105,9 +132,36 @@ def with_store(func: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]
     return wrapper
 
 
-def baseline_key(epoch: int, mode: str, index: int) -> str:
-    """The idempotency key of one Baseline sample: ``<epoch>:<mode>:<index>``."""
-    return f"{epoch}:{mode}:{index}"
+def baseline_key(prefix: str | int, mode: str, sample: Any, occurrence: int = 0) -> str:
+    """The idempotency key of one sample: ``<prefix>:<mode>:<content hash>``, ``#<n>`` for the n-th repeat.
+
+    Keyed by content, not position: a resumed run whose datasets were reordered or extended finds
+    each finished sample under its own key and never counts one sample as another.
+    """
+    key = f"{prefix}:{mode}:{content_digest(sample)}"
+    return f"{key}#{occurrence}" if occurrence else key
+
+
+def sample_keys(prefix: str | int, samples: Sequence[tuple[str, Any]]) -> list[str]:
+    """``baseline_key`` of every ``(mode, sample)``, numbering repeats of the same content."""
+    seen: Counter[tuple[str, str]] = Counter()
+    keys = []
+    for mode, sample in samples:
+        digest = content_digest(sample)
+        keys.append(baseline_key(prefix, mode, sample, seen[(mode, digest)]))
+        seen[(mode, digest)] += 1
+    return keys
+
+
+async def publish_resources(store: LightningStore, resources_id: str, resources: NamedResources) -> ResourcesUpdate:
+    """``update_resources`` unless the latest version of ``resources_id`` holds these resources already.
+
+    Publishing the same initial resources on every resume would add an identical version each time.
+    """
+    latest = await store.get_resources_by_id(resources_id)
+    if latest is not None and canonical_json(latest.resources) == canonical_json(resources):
+        return latest
+    return await store.update_resources(resources_id, resources)
 
 
 class _Epoch:
@@ -127,7 +181,8 @@ class _Epoch:
 class Baseline(FastAlgorithm):
     """Run every train and val sample through the runners, ``n_epochs`` times; resumable.
 
-    Each sample is enqueued with the idempotency key ``<epoch>:<mode>:<index>``, so a resumed run
+    Each sample is enqueued with the idempotency key ``<epoch>:<mode>:<content hash>`` (see
+    ``baseline_key``), so a resumed run
     (or a second algorithm process) never enqueues it twice: samples already finished in the run
     are skipped, queued or in-flight ones are awaited and harvested.  At most ``max_queue_length``
     rollouts wait in the queue; finished rollouts are harvested as they finish (logged per
@@ -163,12 +218,17 @@ class Baseline(FastAlgorithm):
         """Samples found already finished in the run at start (resume)."""
         self.triplets_count = 0
 
+    def expected_rollouts(
+        self, train_dataset: Sequence[Any] | None = None, val_dataset: Sequence[Any] | None = None
+    ) -> int | None:
+        return self.n_epochs * (len(train_dataset or []) + len(val_dataset or []))
+
     async def run(self, train_dataset: Sequence[Any] | None = None, val_dataset: Sequence[Any] | None = None) -> None:
         store = self.get_store()
         resources_id: str | None = None
         initial = self.get_initial_resources()
         if initial:
-            await store.update_resources("default", initial)
+            await publish_resources(store, "default", initial)
             resources_id = "default"
         samples: list[tuple[RolloutMode, Any]] = [("train", s) for s in train_dataset or []]
         samples += [("val", s) for s in val_dataset or []]
@@ -176,25 +236,38 @@ class Baseline(FastAlgorithm):
             logger.error("Baseline has nothing to do: the train and val datasets are empty")
             return
         for epoch in range(self.n_epochs):
-            await self._run_epoch(store, epoch, samples, resources_id)
+            await self.run_batch(store, sample_keys(epoch, samples), samples, resources_id, label=f"Epoch {epoch}")
 
-    async def _run_epoch(
-        self, store: LightningStore, epoch: int, samples: list[tuple[RolloutMode, Any]], resources_id: str | None
-    ) -> None:
-        keys = [baseline_key(epoch, mode, index) for index, (mode, _) in enumerate(samples)]
+    async def run_batch(
+        self,
+        store: LightningStore,
+        keys: Sequence[str],
+        samples: Sequence[tuple[RolloutMode, Any]],
+        resources_id: str | None,
+        *,
+        label: str = "Batch",
+    ) -> list[Rollout]:
+        """Run each ``(mode, sample)`` once under its idempotency key; return the batch's finished rollouts.
+
+        Samples already finished in the run are not enqueued again (their rollouts are returned as
+        they are); queued or in-flight ones are awaited.  At most ``max_queue_length`` rollouts wait in
+        the queue at a time.
+        """
         state = _Epoch()
-        known = await self._existing(store, keys)
+        known = await self._existing(store, list(keys))
+        finished: list[Rollout] = []
         for rollout in known.values():
             if rollout.status in FINISHED_STATUSES:
                 self.skipped += 1
+                finished.append(rollout)
             else:
                 state.add(rollout)
         if known:
             logger.info(
-                "Epoch %d: resuming; %d samples already finished, %d in flight or queued",
-                epoch, len(known) - len(state.outstanding), len(state.outstanding),
+                "%s: resuming; %d samples already finished, %d in flight or queued",
+                label, len(known) - len(state.outstanding), len(state.outstanding),
             )
-        harvester = asyncio.ensure_future(self._harvest(store, state))
+        harvester = asyncio.ensure_future(self._harvest(store, state, finished))
         try:
             for key, (mode, sample) in zip(keys, samples, strict=True):
                 if key in known:
@@ -203,6 +276,7 @@ class Baseline(FastAlgorithm):
                 rollout = await self._enqueue(store, sample, mode, resources_id, key)
                 if rollout.status in FINISHED_STATUSES:
                     self.skipped += 1  # enqueued and finished meanwhile by another algorithm process
+                    finished.append(rollout)
                 else:
                     state.add(rollout)
             state.enqueue_done = True
@@ -212,6 +286,7 @@ class Baseline(FastAlgorithm):
             if not harvester.done():
                 harvester.cancel()
                 await asyncio.gather(harvester, return_exceptions=True)
+        return finished
 
     async def _existing(self, store: LightningStore, keys: list[str]) -> dict[str, Rollout]:
         try:
@@ -245,7 +320,7 @@ class Baseline(FastAlgorithm):
             )
             state.seen_finished.update(r.rollout_id for r in finished)
 
-    async def _harvest(self, store: LightningStore, state: _Epoch) -> None:
+    async def _harvest(self, store: LightningStore, state: _Epoch, finished: list[Rollout]) -> None:
         while True:
             state.changed.clear()  # before reading the ids: an add after this line wakes the wait below
             ids = list(state.outstanding)
@@ -270,6 +345,7 @@ class Baseline(FastAlgorithm):
             for rollout in waiter.result():
                 if state.outstanding.pop(rollout.rollout_id, None) is not None:
                     state.seen_finished.add(rollout.rollout_id)
+                    finished.append(rollout)
                     await self._handle_finished(store, rollout)
 
     async def _handle_finished(self, store: LightningStore, rollout: Rollout) -> None:
@@ -293,6 +369,10 @@ class Baseline(FastAlgorithm):
                             logger.info("    span %s #%d keys=%s", span.name, span.sequence_id, sorted(span.attributes))
                         else:
                             logger.info("    span %s #%d %s", span.name, span.sequence_id, dict(span.attributes))
+            if rollout.status != "succeeded":
+                # Failed and cancelled rollouts have no trace worth adapting; fit's summary reports them.
+                logger.info("Rollout %s %s: not adapted", rollout.rollout_id, rollout.status)
+                return
             self._adapt(await store.query_spans(rollout.rollout_id, attempt_id="latest"), rollout)
         except Exception as exc:  # noqa: BLE001 - harvesting must not stop the epoch
             logger.warning("Could not harvest rollout %s: %s", rollout.rollout_id, exc)
@@ -303,6 +383,12 @@ class Baseline(FastAlgorithm):
         except ValueError:
             logger.warning("No adapter set: spans of rollout %s are not adapted", rollout.rollout_id)
             return
+        if not spans:
+            logger.warning(
+                "Rollout %s succeeded but stored no spans (the agent returned None and emitted no spans): "
+                "nothing to adapt", rollout.rollout_id,
+            )
+            return
         try:
             result = adapter.adapt(spans)
         except ValueError as exc:
@@ -311,4 +397,3 @@ class Baseline(FastAlgorithm):
         size = len(result) if isinstance(result, Sequence) else 1
         self.triplets_count += size
         logger.info("Adapted rollout %s into %d items", rollout.rollout_id, size)
-

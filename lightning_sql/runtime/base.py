@@ -1,4 +1,7 @@
-"""``ParallelWorkerBase``: the lifecycle shared by runners, tracers and hooks (contract §3.1)."""
+"""``ParallelWorkerBase``: the lifecycle shared by runners, tracers and hooks.
+
+Its behaviour is specified in docs/store-contract.md §3.1.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Execution strategies: where the algorithm and the runners run (contract §3.6).
+"""Execution strategies: where the algorithm and the runners run (docs/store-contract.md §3.6).
 
 * ``inprocess`` (alias ``shm``): the algorithm and ``n_runners`` runners are tasks on one event
   loop; sync agents run in worker threads.

@@ -1,4 +1,4 @@
-"""``Hook``: callbacks a runner fires around each rollout (contract §3.7)."""
+"""``Hook``: callbacks a runner fires around each rollout (docs/store-contract.md §3.7)."""
 
 from __future__ import annotations
 

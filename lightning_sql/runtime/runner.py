@@ -1,4 +1,4 @@
-"""Runners: claim rollouts from the store, run the agent, report the outcome (contract §3.1).
+"""Runners: claim rollouts from the store, run the agent, report the outcome (docs/store-contract.md §3.1).
 
 A ``LitAgentRunner`` is one async worker.  Its claim loop sleeps while the queue is empty but is
 woken by the store (``wait_for_queue``) when work arrives; its heartbeat loop refreshes the worker
@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import platform
 import random
 import threading
 import time
@@ -23,10 +21,13 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar
 import psutil
 from opentelemetry.sdk.trace import ReadableSpan
 
+from lightning_sql.runtime.adapter import reward_of
 from lightning_sql.runtime.agent import LitAgent
 from lightning_sql.runtime.base import ParallelWorkerBase
 from lightning_sql.runtime.hooks import Hook
+from lightning_sql.runtime.recovery import process_identity
 from lightning_sql.runtime.tracer import OtelTracer, Tracer, emit_reward
+from lightning_sql.store import StoreUnavailableError
 from lightning_sql.types import (
     FINISHED_STATUSES,
     AttemptedRollout,
@@ -47,16 +48,21 @@ __all__ = [
     "system_snapshot",
     "clean_text",
     "error_metadata",
+    "final_reward_of",
     "ERROR_TRACEBACK_LIMIT",
+    "FINAL_REWARD_KEY",
 ]
 
 logger = logging.getLogger(__name__)
 
 T_task = TypeVar("T_task")
+_R = TypeVar("_R")
 
-ERROR_TRACEBACK_LIMIT = 16_000  # characters of traceback kept in metadata["error"] (the end: where it failed)
+FINAL_REWARD_KEY = "final_reward"  # attempt metadata: the attempt's last reward, written when it succeeds
+ERROR_TRACEBACK_LIMIT = 16_000  # characters of traceback kept in metadata["error"] (the innermost frames)
 STOP_CHECK_INTERVAL_S = 0.1  # how often an idle runner looks at the stop event
 MIN_IDLE_WAIT_S = 0.01  # floor of poll_interval ± jitter
+OUTAGE_RETRY_MAX_S = 5.0  # longest pause between tries while the database is unavailable
 MIN_SWEEP_INTERVAL_S = 1.0  # runner processes sweep at most once a second per store instance
 DEFAULT_SCAN_DEBOUNCE_S = 10.0  # sweep period for stores that do not say
 
@@ -72,12 +78,11 @@ def _stopped(event: StopEvent | None) -> bool:
 
 
 def system_snapshot(include_gpu: bool = False) -> dict[str, Any]:
-    """A JSON dict of this host's CPU and memory figures (and GPU ones with ``include_gpu``)."""
+    """A JSON dict of this process's identity and this host's CPU and memory figures (GPU ones with ``include_gpu``)."""
     memory = psutil.virtual_memory()
     process = psutil.Process()
     snapshot: dict[str, Any] = {
-        "host": platform.node(),
-        "pid": os.getpid(),
+        **process_identity(),  # host, boot id, pid: lets a trainer on this machine see the process is gone
         "cpu_count": psutil.cpu_count() or 0,
         "cpu_percent": float(psutil.cpu_percent(interval=None)),
         "memory_total_bytes": int(memory.total),
@@ -111,6 +116,12 @@ def _gpu_snapshot() -> list[dict[str, Any]]:
         return []
 
 
+def final_reward_of(spans: Sequence[Any]) -> float | None:
+    """The last reward among an attempt's spans (None: no reward span)."""
+    values = [r for r in (reward_of(s) for s in spans if isinstance(s, Span)) if r is not None]
+    return values[-1] if values else None
+
+
 def clean_text(value: str) -> str:
     """A string the store accepts (§0.4): NUL and lone surrogates replaced."""
     return value.replace("\x00", "\\x00").encode("utf-8", "replace").decode("utf-8")
@@ -122,7 +133,16 @@ def error_metadata(exc: BaseException) -> dict[str, str]:
     qualified = cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
     tb = "".join(traceback.format_exception(cls, exc, exc.__traceback__))
     if len(tb) > ERROR_TRACEBACK_LIMIT:
-        tb = "...(truncated)\n" + tb[-ERROR_TRACEBACK_LIMIT:]
+        # Keep the innermost frames and the start of the exception's own text: a huge message must
+        # not push the frames that say where it failed out of the limit.
+        only = "".join(traceback.format_exception_only(cls, exc))
+        frames = tb[: len(tb) - len(only)] if tb.endswith(only) else tb
+        if len(only) > ERROR_TRACEBACK_LIMIT // 4:
+            only = only[: ERROR_TRACEBACK_LIMIT // 4] + "...(truncated)\n"
+        room = ERROR_TRACEBACK_LIMIT - len(only)
+        if len(frames) > room:
+            frames = "...(truncated)\n" + frames[-room:]
+        tb = frames + only
     return {"type": clean_text(qualified), "message": clean_text(str(exc)), "traceback": clean_text(tb)}
 
 
@@ -315,7 +335,9 @@ class LitAgentRunner(Runner[T_task]):
         try:
             done = 0
             while not _stopped(event) and (self.max_rollouts is None or done < self.max_rollouts):
-                rollout = await store.dequeue_rollout(worker_id=self.worker_name)
+                rollout = await self._through_outages(
+                    "claiming", lambda: store.dequeue_rollout(worker_id=self.worker_name), event
+                )
                 if rollout is None:
                     await self._wait_for_work(event)
                     continue
@@ -416,8 +438,11 @@ class LitAgentRunner(Runner[T_task]):
                 await self._fire("on_trace_end", agent=agent, runner=self, tracer=self.tracer, rollout=rollout)
             spans = self.tracer.get_last_trace()
             if error is None and lease.lost_reason is None:
+                traced = spans
                 try:
-                    spans = await self._post_process(result, rid, aid, spans)
+                    spans = await self._through_outages(
+                        f"storing the result of rollout {rid}", lambda: self._post_process(result, rid, aid, traced)
+                    )
                 except Exception as exc:  # noqa: BLE001 - an unusable return value fails the attempt
                     logger.warning("Rollout %s attempt %s returned an unusable value: %s", rid, aid, exc)
                     error = exc
@@ -432,7 +457,7 @@ class LitAgentRunner(Runner[T_task]):
             if interrupted:
                 await self._hand_back(store, lease)
             else:
-                await self._report(store, lease, error)
+                await self._report(store, lease, error, spans)
 
     async def _hand_back(self, store: LightningStore, lease: _Lease) -> None:
         """The runner is stopping mid-attempt: end the attempt as its lease expiry would, but now.
@@ -452,7 +477,13 @@ class LitAgentRunner(Runner[T_task]):
         except BaseException as exc:  # noqa: BLE001 - the lease recovers it anyway
             logger.warning("Could not hand back rollout %s: %r", lease.rollout_id, exc)
 
-    async def _report(self, store: LightningStore, lease: _Lease, error: BaseException | dict[str, str] | None) -> None:
+    async def _report(
+        self,
+        store: LightningStore,
+        lease: _Lease,
+        error: BaseException | dict[str, str] | None,
+        spans: Sequence[Any] = (),
+    ) -> None:
         if lease.lost_reason is not None:
             logger.warning(
                 "Abandoned rollout %s attempt %s: %s; not reporting", lease.rollout_id, lease.attempt_id, lease.lost_reason
@@ -460,22 +491,63 @@ class LitAgentRunner(Runner[T_task]):
             return
         try:
             if error is None:
-                await store.update_attempt(lease.rollout_id, lease.attempt_id, status="succeeded")
+                reward = final_reward_of(spans)
+
+                async def succeeded() -> Any:
+                    if reward is None:
+                        return await store.update_attempt(lease.rollout_id, lease.attempt_id, status="succeeded")
+                    # Kept with the attempt, so a summary of the run reads rewards with its rollouts.
+                    metadata = {**lease.metadata, FINAL_REWARD_KEY: reward}
+                    return await store.update_attempt(
+                        lease.rollout_id, lease.attempt_id, status="succeeded", metadata=metadata
+                    )
+
+                await self._through_outages(f"reporting rollout {lease.rollout_id}", succeeded)
             else:
                 details = error if isinstance(error, dict) else error_metadata(error)
                 metadata = {**lease.metadata, "error": details}
-                await store.update_attempt(lease.rollout_id, lease.attempt_id, status="failed", metadata=metadata)
+                await self._through_outages(
+                    f"reporting rollout {lease.rollout_id}",
+                    lambda: store.update_attempt(lease.rollout_id, lease.attempt_id, status="failed", metadata=metadata),
+                )
         except Exception as exc:  # noqa: BLE001 - the lease recovers an unreported attempt
             logger.error("Could not report rollout %s attempt %s: %s", lease.rollout_id, lease.attempt_id, exc)
         else:
             self.completed_rollouts += 1
 
+    async def _through_outages(
+        self, what: str, call: Callable[[], Awaitable[_R]], event: StopEvent | None = None
+    ) -> _R:
+        """``call()``, tried again while the database is unavailable (``StoreUnavailableError``), with
+        one warning per outage: a runner outlives an outage and goes on once the database answers.
+        Gives up (re-raises) only when ``event`` says stop."""
+        delay, logged = 0.1, False
+        while True:
+            try:
+                result = await call()
+            except StoreUnavailableError as exc:
+                if _stopped(event):
+                    raise
+                if not logged:
+                    logger.warning("Runner %s: the database is unavailable (%s): %s; retrying", self.worker_name, what, exc)
+                    logged = True
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, OUTAGE_RETRY_MAX_S)
+                continue
+            if logged:
+                logger.warning("Runner %s: the database answers again (%s)", self.worker_name, what)
+            return result
+
     async def _resolve_resources(self, rollout: Rollout) -> NamedResources:
         store = self.get_store()
         if rollout.resources_id:
-            update = await store.get_resources_by_id(rollout.resources_id)
+            # The version current when the rollout was enqueued: a later version is another experiment.
+            update = await store.get_resources_by_id(rollout.resources_id, version=rollout.resources_version)
             if update is None:
-                raise LookupError(f"Resources {rollout.resources_id} not found (rollout {rollout.rollout_id})")
+                raise LookupError(
+                    f"Resources {rollout.resources_id} version {rollout.resources_version} not found "
+                    f"(rollout {rollout.rollout_id})"
+                )
             return update.resources
         latest = await store.get_latest_resources()
         return latest.resources if latest is not None else {}

@@ -1,4 +1,4 @@
-"""Tracers: OpenTelemetry spans of an agent routed into the store, per attempt (contract §3.3).
+"""Tracers: OpenTelemetry spans of an agent routed into the store, per attempt (docs/store-contract.md §3.3).
 
 OpenTelemetry allows one global ``TracerProvider`` per process.  ``OtelTracer`` reuses the one that
 is set (installing an SDK provider only when none is), and adds ONE span processor to it per process,

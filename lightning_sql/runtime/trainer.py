@@ -1,4 +1,7 @@
-"""``Trainer``: wires store, algorithm, runners, tracer, adapter and strategy together (contract §3.8)."""
+"""``Trainer``: wires store, algorithm, runners, tracer, adapter and strategy together.
+
+Its behaviour is specified in docs/store-contract.md §3.8.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +15,8 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from rich.console import Console
+
 from lightning_sql.runtime.adapter import TraceAdapter, TracerTraceToTriplet
 from lightning_sql.runtime.agent import LitAgent
 from lightning_sql.runtime.algorithm import Algorithm, Baseline, FastAlgorithm
@@ -21,8 +26,11 @@ from lightning_sql.runtime.execution import (
     ExecutionStrategy,
     InProcessExecutionStrategy,
 )
+from lightning_sql.runtime.fit_session import FitStart, announce_fit, prepare_fit, summarise_fit
 from lightning_sql.runtime.hooks import Hook
+from lightning_sql.runtime.progress import RunProgress
 from lightning_sql.runtime.runner import LitAgentRunner, Runner
+from lightning_sql.runtime.summary import FitSummary
 from lightning_sql.runtime.tracer import NoopTracer, OtelTracer, Tracer
 from lightning_sql.store.base import LightningStore
 from lightning_sql.types import NamedResources, RolloutConfig
@@ -192,25 +200,39 @@ class _AlgorithmBundle:
         algorithm: Algorithm | None,
         train_dataset: Any,
         val_dataset: Any,
+        progress: RunProgress | None = None,
     ) -> None:
         self.trainer = trainer
         self.algorithm = algorithm
         self.train_dataset = train_dataset
         self.val_dataset = val_dataset
+        self.progress = progress
 
     async def __call__(self, store: LightningStore, event: ExecutionEvent) -> None:
+        if self.progress is None:
+            await self._run(store, event)
+            return
+        stop = asyncio.Event()
+        bar = asyncio.ensure_future(self.progress.show(stop))
+        try:
+            await self._run(store, event)
+        finally:
+            stop.set()
+            await asyncio.gather(bar, return_exceptions=True)
+
+    async def _run(self, store: LightningStore, event: ExecutionEvent) -> None:
         # A proxy in "asyncio" launch mode serves from this loop; the other modes were started by _execute.
         proxy = self.trainer.llm_proxy
         own_proxy = proxy is not None and proxy.launch_mode == "asyncio" and not proxy.is_running()
         if own_proxy:
             await proxy.start()
         try:
-            await self._run(store, event)
+            await self._run_algorithm(store, event)
         finally:
             if own_proxy:
                 await proxy.stop()
 
-    async def _run(self, store: LightningStore, event: ExecutionEvent) -> None:
+    async def _run_algorithm(self, store: LightningStore, event: ExecutionEvent) -> None:
         algorithm = self.algorithm
         if algorithm is None:
             while not event.is_set():
@@ -271,6 +293,11 @@ class Trainer:
     ``sqlite:///lightning_sql.db``); ``run`` names the run (the same name resumes it);
     ``rollout_config`` is the lease of every rollout enqueued without its own config.
 
+    ``fit`` shows a progress bar (``progress``) and prints the run's summary (``summary``); either can
+    be turned off, and ``fit`` returns the :class:`FitSummary` regardless.  A run remembers the
+    datasets, initial resources and algorithm of its first ``fit``; resuming it with other ones raises
+    ``RunChangedError`` unless ``accept_changes=True``.
+
     ``llm_proxy`` (an ``LLMProxy``, its class, a dict of its arguments, or a name / import path) records
     the agents' model calls: the Trainer gives it its store, starts it before the runners, hands it to the
     algorithm (``set_llm_proxy``) and stops it when ``fit`` ends.
@@ -295,6 +322,9 @@ class Trainer:
         n_workers: int | None = None,
         max_tasks: int | None = None,
         triplet_exporter: Any = None,
+        progress: bool = True,
+        summary: bool = True,
+        accept_changes: bool = False,
         llm_proxy: Any = None,
     ) -> None:
         if n_workers is not None:
@@ -322,6 +352,9 @@ class Trainer:
         self.max_rollouts = max_rollouts
         self.initial_resources = initial_resources
         self.rollout_config = rollout_config
+        self.progress = progress
+        self.summary = summary
+        self.accept_changes = accept_changes
 
         self.tracer: Tracer = build_component(
             tracer if tracer is not None else OtelTracer, name="tracer", expected=Tracer, registry=_TRACERS
@@ -368,27 +401,43 @@ class Trainer:
         """The name of the run this trainer works on."""
         return getattr(self.store, "run", None)
 
-    def fit(self, agent: LitAgent[Any], train_dataset: Any = None, val_dataset: Any = None) -> None:
-        """Run the algorithm (if any) and the runners until the algorithm is done."""
-        if self.dev_mode:
-            self.dev(agent, train_dataset, val_dataset)
-            return
-        self._execute(agent, train_dataset, val_dataset, self.algorithm)
+    def fit(self, agent: LitAgent[Any], train_dataset: Any = None, val_dataset: Any = None) -> FitSummary:
+        """Run the algorithm (if any) and the runners until the algorithm is done; return the run's summary.
 
-    def dev(self, agent: LitAgent[Any], train_dataset: Any = None, val_dataset: Any = None) -> None:
+        Raises:
+            RunChangedError: the run was started with other datasets, initial resources or algorithm
+                (and ``accept_changes`` is false); nothing was enqueued.
+        """
+        if self.dev_mode:
+            return self.dev(agent, train_dataset, val_dataset)
+        return self._execute(agent, train_dataset, val_dataset, self.algorithm)
+
+    def dev(self, agent: LitAgent[Any], train_dataset: Any = None, val_dataset: Any = None) -> FitSummary:
         """A quick end-to-end check with a ``FastAlgorithm`` (default ``Baseline()``)."""
         algorithm = self.algorithm if self.algorithm is not None else Baseline()
         if not isinstance(algorithm, FastAlgorithm):
             raise TypeError(
                 f"Trainer.dev() needs a FastAlgorithm (e.g. Baseline), got {type(algorithm).__qualname__}"
             )
-        self._execute(agent, train_dataset, val_dataset, algorithm)
+        return self._execute(agent, train_dataset, val_dataset, algorithm)
 
-    def _execute(self, agent: Any, train_dataset: Any, val_dataset: Any, algorithm: Algorithm | None) -> None:
+    def _execute(self, agent: Any, train_dataset: Any, val_dataset: Any, algorithm: Algorithm | None) -> FitSummary:
         agent = self._resolve_agent(agent)
         agent.set_trainer(self)
         logger.info("Trainer: store %s, run %s", getattr(self.store, "url", self.store), self.run)
-        algorithm_bundle = _AlgorithmBundle(self, algorithm, train_dataset, val_dataset)
+        console = Console() if self.progress or self.summary else None
+        start = asyncio.run(
+            prepare_fit(
+                self.store, self.run, algorithm, train_dataset, val_dataset, self.initial_resources,
+                accept_changes=self.accept_changes,
+            )
+        )
+        announce_fit(start, console)
+        progress = None
+        if self.progress and console is not None:
+            expected = algorithm.expected_rollouts(train_dataset, val_dataset) if algorithm is not None else None
+            progress = RunProgress(self.store, self.run, expected, console)
+        algorithm_bundle = _AlgorithmBundle(self, algorithm, train_dataset, val_dataset, progress)
         runner_bundle = _RunnerBundle(self.runner, agent, self.hooks)
         proxy = self.llm_proxy
         own_proxy = proxy is not None and proxy.launch_mode != "asyncio" and not proxy.is_running()
@@ -399,9 +448,16 @@ class Trainer:
         finally:
             if own_proxy:
                 asyncio.run(proxy.stop())
+        summary = asyncio.run(self._finish(start))
+        if self.summary and console is not None:
+            console.print(summary)
+        return summary
+
+    async def _finish(self, start: FitStart) -> FitSummary:
         mark = getattr(self.store, "mark_run_finished", None)
         if mark is not None:
-            asyncio.run(mark())
+            await mark()
+        return await summarise_fit(self.store, start)
 
     @staticmethod
     def _resolve_agent(agent: Any) -> LitAgent[Any]:

@@ -1,9 +1,10 @@
-"""External workers: runners on any host, joining an existing run (contract §3.6).
+"""External workers: runners on any host, joining an existing run (docs/store-contract.md §3.6).
 
 ``run_worker(url, run, "module:attr", n=4)`` opens the store with ``create_run=False`` (a mistyped
-run name fails with the list of existing runs) and runs ``n`` runners until interrupted.  Worker ids
+run name fails with the list of existing runs) and runs ``n`` runners until the run is marked
+finished with nothing left queued or running (``forever=True``: until interrupted).  Worker ids
 embed the host name and pid, so workers on many hosts never share a worker row.
-``lightning-sql worker --url URL --run NAME --agent module:attr [-n N]`` calls it.
+``lightning-sql worker --url URL --run NAME --agent module:attr [-n N] [--forever]`` calls it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 import signal
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from lightning_sql.runtime.agent import LitAgent
@@ -23,10 +24,14 @@ from lightning_sql.runtime.hooks import Hook
 from lightning_sql.runtime.runner import LitAgentRunner
 from lightning_sql.runtime.tracer import OtelTracer, Tracer
 from lightning_sql.runtime.trainer import _import_path
+from lightning_sql.store.sql.urls import mask_url
 
-__all__ = ["run_worker", "run_worker_async", "load_agent", "default_worker_prefix"]
+__all__ = ["run_worker", "run_worker_async", "load_agent", "default_worker_prefix", "UNFINISHED_STATUSES"]
 
 logger = logging.getLogger(__name__)
+
+# Rollouts in these states still need a runner: a finished run with none of them left is done.
+UNFINISHED_STATUSES = ("queuing", "requeuing", "preparing", "running")
 
 
 def default_worker_prefix() -> str:
@@ -66,9 +71,16 @@ async def run_worker_async(
     max_rollouts: int | None = None,
     poll_interval: float = 5.0,
     heartbeat_interval: float = 10.0,
+    forever: bool = False,
+    on_start: Callable[[str], None] | None = None,
     **store_options: Any,
 ) -> int:
-    """Run ``n`` runners against an existing run until ``stop_event`` is set; returns rollouts reported."""
+    """Run ``n`` runners against an existing run; returns the rollouts reported.
+
+    The runners stop when ``stop_event`` is set, and, unless ``forever``, once the run is marked
+    finished and none of its rollouts is queued or running (checked every ``poll_interval``).
+    ``on_start`` receives one line (masked URL, run, n, agent) once the run is known to exist.
+    """
     from lightning_sql.store import SqlLightningStore
 
     run = run or os.environ.get("LIGHTNING_SQL_RUN")
@@ -82,7 +94,14 @@ async def run_worker_async(
     store = SqlLightningStore(url, run=run, create_run=False, **store_options)
     try:
         await store.statistics()  # fails now, naming the existing runs, if the run does not exist
-        logger.info("Worker %s: %d runners on run %s at %s", prefix, n, run, store.url)
+        agent_name = agent_spec if isinstance(agent_spec, str) else type(agent_spec).__qualname__
+        line = (
+            f"Worker {prefix}: {n} runner(s) on run {run!r} at {mask_url(url)}, agent {agent_name}"
+            + ("" if forever else "; exits when the run is finished")
+        )
+        logger.info("%s", line)
+        if on_start is not None:
+            on_start(line)
         runners = []
         for i in range(n):
             runner: LitAgentRunner[Any] = LitAgentRunner(
@@ -94,15 +113,42 @@ async def run_worker_async(
             runner.init(agent, hooks=hooks)
             runner.init_worker(f"{prefix}-{i}", store)
             runners.append(runner)
+        watcher = None if forever else asyncio.ensure_future(_stop_when_run_is_done(store, run, stop, poll_interval))
         try:
             await asyncio.gather(*(r.iter(event=stop) for r in runners))
         finally:
+            if watcher is not None:
+                watcher.cancel()
+                await asyncio.gather(watcher, return_exceptions=True)
             for runner in runners:
                 runner.teardown_worker(runner.worker_id or "")
                 runner.teardown()
         return sum(r.completed_rollouts for r in runners)
     finally:
         await store.close()
+
+
+async def run_is_done(store: Any, run: str) -> bool:
+    """True once ``run`` is marked finished and none of its rollouts is queued or running."""
+    found = await store.get_run(run)
+    if found is None or found.status != "finished":
+        return False
+    unfinished = await store.query_rollouts(status_in=list(UNFINISHED_STATUSES), limit=1)
+    return len(unfinished) == 0
+
+
+async def _stop_when_run_is_done(store: Any, run: str, stop: threading.Event, interval: float) -> None:
+    while not stop.is_set():
+        try:
+            done = await run_is_done(store, run)
+        except Exception as exc:  # noqa: BLE001 - a failed check is retried; the runners go on meanwhile
+            logger.warning("Could not check whether run %r is finished: %s", run, exc)
+            done = False
+        if done:
+            logger.info("Run %r is finished and nothing is queued or running: stopping", run)
+            stop.set()
+            return
+        await asyncio.sleep(interval)
 
 
 def run_worker(

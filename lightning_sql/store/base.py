@@ -1,6 +1,6 @@
 """``LightningStore``: the abstract async store contract (mirrors Agent-Lightning v0.3).
 
-The behaviour of every method is specified in ``spec/store-contract.md``; ``SqlLightningStore`` is
+The behaviour of every method is specified in ``docs/store-contract.md``; ``SqlLightningStore`` is
 the implementation.  Runtime components (runners, algorithms, tracers) depend only on this class.
 """
 
@@ -42,7 +42,7 @@ __all__ = ["LightningStore"]
 class LightningStore(ABC):
     """The coordination store shared by an algorithm and its runners."""
 
-    #: Config given to rollouts enqueued or started without one (lightning_sql, contract §4).
+    #: Config given to rollouts enqueued or started without one (lightning_sql, docs/store-contract.md §4).
     default_rollout_config: RolloutConfig | None = None
 
     @property
@@ -230,7 +230,7 @@ class LightningStore(ABC):
         offset: int = 0,
     ) -> PaginatedResult[ResourcesUpdate]: ...
 
-    # --- lightning_sql extensions (contract §4), with conservative defaults ------------------------
+    # --- lightning_sql extensions (docs/store-contract.md §4), with conservative defaults ------------------------
 
     async def touch_attempt(self, rollout_id: str, attempt_id: str) -> Attempt:
         """Refresh an attempt's lease; stores with their own clock override this."""

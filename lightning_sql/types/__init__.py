@@ -1,4 +1,4 @@
-"""Pydantic models and helpers shared by the store and the runtime (contract §1)."""
+"""Pydantic models and helpers shared by the store and the runtime (docs/store-contract.md §1)."""
 
 from .core import *  # noqa: F403
 from .core import __all__ as _core_all

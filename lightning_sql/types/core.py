@@ -1,4 +1,7 @@
-"""Core data models of the store (contract §1), mirroring Agent-Lightning v0.3 `agentlightning.types`."""
+"""Core data models of the store, mirroring Agent-Lightning v0.3 `agentlightning.types`.
+
+Their fields and rules are specified in docs/store-contract.md §1.
+"""
 
 from __future__ import annotations
 

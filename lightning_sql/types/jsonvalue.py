@@ -1,4 +1,4 @@
-"""Validation and encoding of the JSON values the store writes (contract §0.4).
+"""Validation and encoding of the JSON values the store writes (docs/store-contract.md §0.4).
 
 `encode_json` is on the span-ingest hot path, so it makes one recursive walk over the value with exact-type
 fast paths and no per-node string work; the path of an offending element is assembled only when an error
@@ -37,7 +37,7 @@ def _limit_from_env(name: str, default: int) -> int:
 __all__ = [
     "MAX_JSON_DEPTH",
     "MAX_JSON_BYTES",
-    "MAX_ID_CHARS",
+    "MAX_ID_BYTES",
     "encode_json",
     "check_json",
     "json_text",
@@ -49,7 +49,9 @@ MAX_JSON_DEPTH = 64  # deeper values are almost certainly cycles or bugs; keeps 
 # Per stored value (one input, one span's attributes, ...): far above any sane payload, well below
 # driver limits.  Deployments that want a tighter cap set LIGHTNING_SQL_MAX_JSON_BYTES (read at import).
 MAX_JSON_BYTES = _limit_from_env("LIGHTNING_SQL_MAX_JSON_BYTES", 16 * 1024 * 1024)
-MAX_ID_CHARS = 1024  # ids and names are index keys; PostgreSQL caps a btree row at ~8 KB
+# Ids and names are index keys: PostgreSQL refuses a btree row over 2,704 bytes, and the limit is the
+# same on every backend so that what SQLite accepts PostgreSQL accepts too.
+MAX_ID_BYTES = 1024
 
 # UTF-8 needs at most 4 bytes per code point: text this short cannot exceed the limit, so we skip encoding it.
 _SAFE_CHARS = MAX_JSON_BYTES // 4
@@ -244,18 +246,20 @@ def json_text(value: Any, field: str, *, allow_models: bool = False) -> str:
     return text
 
 
-def check_text(value: str, field: str, *, max_chars: int | None = MAX_ID_CHARS) -> None:
+def check_text(value: str, field: str, *, max_bytes: int | None = MAX_ID_BYTES) -> None:
     """Return normally iff `value` can be stored as text: a str with no NUL character and no lone surrogate.
 
     Raises:
         TypeError: `value` is not a str.
-        ValueError: `value` contains a NUL character or a lone surrogate, or is longer than `max_chars`
-            (ids are index keys: PostgreSQL refuses index rows over ~8 KB) (the message names `field`).
+        ValueError: `value` contains a NUL character or a lone surrogate, or its UTF-8 encoding is
+            longer than `max_bytes` (ids are index keys) (the message names `field`).
     """
     if not isinstance(value, str):
         raise TypeError(f"{field}: expected a str, got a value of type {type(value).__name__}")
-    if max_chars is not None and len(value) > max_chars:
-        raise ValueError(f"{field}: {len(value)} characters exceed the limit of {max_chars} for an id or name")
+    if max_bytes is not None and len(value) > max_bytes // 4:  # shorter is within the limit anyway
+        size = len(value) if value.isascii() else len(value.encode("utf-8", "surrogatepass"))
+        if size > max_bytes:
+            raise ValueError(f"{field}: {size} bytes (UTF-8) exceed the limit of {max_bytes} bytes for an id or name")
     problem = _string_problem(value)
     if problem is not None:
         raise ValueError(f"{field}: {problem}")

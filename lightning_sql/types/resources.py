@@ -1,4 +1,4 @@
-"""Tunable resources shared between the algorithm and the runners (contract §1.9)."""
+"""Tunable resources shared between the algorithm and the runners (docs/store-contract.md §1.9)."""
 
 from __future__ import annotations
 

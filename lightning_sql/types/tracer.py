@@ -1,4 +1,7 @@
-"""Span models that mirror OpenTelemetry spans (contract §1.8), as Agent-Lightning v0.3 defines them."""
+"""Span models that mirror OpenTelemetry spans, as Agent-Lightning v0.3 defines them.
+
+Their fields and rules are specified in docs/store-contract.md §1.8.
+"""
 
 from __future__ import annotations
 

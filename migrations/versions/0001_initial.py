@@ -74,7 +74,7 @@ def upgrade() -> None:
         sa.UniqueConstraint("run_id", "idempotency_key", name="uq_rollouts_run_id_idempotency_key"),
         sa.ForeignKeyConstraint(["run_id"], ["runs.run_id"], name="fk_rollouts_run_id_runs"),
     )
-    # The queue IS this partial index (DESIGN §3); the predicate must survive on both dialects.
+    # The queue IS this partial index (docs/architecture.md §3); the predicate must survive on both dialects.
     op.create_index(
         "ix_rollouts_queue",
         "rollouts",

@@ -2,11 +2,10 @@
 
 ``query_spans`` returns a rollout's spans by ``sequence_id``, ties in insertion order (``id``).  With
 the index ending at ``sequence_id``, PostgreSQL needed a sort after it: an incremental one where its
-statistics describe the trace, a full one of every span of the attempt where they do not (measured:
-a table not analysed since the trace was written), and then a page of 10 from a trace of 10,000
-spans read, converted and sorted all 10,000 (55-58 ms against ~3 ms with this index;
-docs/performance.md, twenty-sixth pass).  With ``id`` last it reads the index in the page's order
-and stops at the page's end, whatever the statistics.  SQLite already read in that order (the rowid
+statistics describe the trace, a full one of every span of the attempt where they do not (a table
+not analysed since the trace was written), and then a page of 10 from a trace of 10,000 spans read,
+converted and sorted all 10,000 (docs/adr/0010-span-pages-follow-the-index.md).  With ``id`` last
+it reads the index in the page's order and stops at the page's end, whatever the statistics.  SQLite already read in that order (the rowid
 ends every index entry); the index is rebuilt there too, so that both dialects hold the catalogue the
 models describe.
 

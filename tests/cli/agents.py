@@ -15,3 +15,17 @@ class EchoAgent(LitAgent[Any]):
 
 
 echo_agent = EchoAgent()
+
+
+def _divide(task: Any) -> float:
+    return 1 / task["divisor"]
+
+
+class DividingAgent(LitAgent[Any]):
+    """Raises ZeroDivisionError (from ``_divide``) for a task with ``divisor`` 0."""
+
+    def rollout(self, task: Any, resources: Any, rollout: Rollout) -> float:
+        return _divide(task)
+
+
+dividing_agent = DividingAgent()

@@ -8,39 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from click.testing import CliRunner, Result
 
 from lightning_sql import RolloutConfig, SqlLightningStore, cli
 from lightning_sql.store.sql.migrate import HEAD_REVISION
 from lightning_sql.store.sql.views import VIEW_NAMES
 from tests.analysis.dataset import MAIN_RUN, OTHER_RUN, WORKERS
-from tests.analysis.fixtures import BACKENDS, Populated
-from tests.conftest import PG_URL, require_postgres
-from tests.helpers import FakeClock, drop_pg_schema
-
-
-def invoke(args: list[str], *, input: str | None = None, env: dict[str, str] | None = None) -> Result:
-    runner = CliRunner()
-    # Wide enough that rich does not fold ids in human output.
-    return runner.invoke(cli.cli, args, input=input, env={"COLUMNS": "250", **(env or {})}, catch_exceptions=False)
-
-
-def as_json(result: Result) -> Any:
-    assert result.stdout.strip(), result.output
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-
-def ok(args: list[str], **kwargs: Any) -> Any:
-    result = invoke([*args, "--json"], **kwargs)
-    assert result.exit_code == 0, (result.exit_code, result.output)
-    return as_json(result)
-
+from tests.analysis.fixtures import Populated
+from tests.cli.runner import as_json, invoke, ok
 
 # --- reads on the populated database -------------------------------------------------------------
 
@@ -203,7 +181,6 @@ def test_run_from_the_environment(populated: Populated) -> None:
 
 
 def test_usage_errors_exit_2(tmp_path: Path) -> None:
-    assert invoke(["runs"], env={"LIGHTNING_SQL_URL": ""}).exit_code == 2  # no URL
     assert invoke(["rollouts", "--url", f"sqlite:///{tmp_path / 'x.db'}"], env={"LIGHTNING_SQL_RUN": ""}).exit_code == 2
     assert invoke(["runs", "--url", "mysql://nope/db"]).exit_code == 2
     assert invoke(["runs", "--url", f"sqlite:///{tmp_path / 'x.db'}", "--schema", "s"]).exit_code == 2
@@ -238,22 +215,6 @@ def test_database_without_schema_names_the_upgrade_command(tmp_path: Path) -> No
 
 
 # --- commands that write: their own database ---------------------------------------------------------
-
-
-@pytest.fixture(params=BACKENDS)
-def fresh(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Populated]:
-    """An empty database (no schema yet)."""
-    if request.param == "postgres":
-        require_postgres()
-        spec = Populated("postgres", PG_URL, f"t_{uuid.uuid4().hex[:12]}", {}, FakeClock(1_000_000_000.0))
-    else:
-        spec = Populated("sqlite", f"sqlite:///{tmp_path / 'fresh.db'}", None, {}, FakeClock(1_000_000_000.0))
-    try:
-        yield spec
-    finally:
-        spec.clock.remove()
-        if spec.schema is not None:
-            drop_pg_schema(PG_URL, spec.schema)
 
 
 def test_db_upgrade_downgrade_current_check(fresh: Populated) -> None:

@@ -1,4 +1,4 @@
-"""Group commit on the SQLite writer thread (BENCHMARKS "Levers", DESIGN §5).
+"""Group commit on the SQLite writer thread (docs/architecture.md §7).
 
 Units that wait in the SQLite I/O thread's queue run together in one transaction, each in its own
 savepoint: a unit that raises is rolled back alone and gets its own exception; a transient error or a
@@ -22,8 +22,9 @@ import pytest
 from sqlalchemy.exc import IntegrityError
 
 from lightning_sql import Attempt, Rollout, Span
-from lightning_sql.store.sql import engine
-from lightning_sql.store.sql.engine import SchemaUnit, SqliteThreadWorker, UnitContext
+from lightning_sql.store.sql import sqlite_executor as engine
+from lightning_sql.store.sql.executor import SchemaUnit, UnitContext
+from lightning_sql.store.sql.sqlite_executor import SqliteExecutor as SqliteThreadWorker
 from tests.contract.test_spans import make_span
 
 SQLITE_THREAD = pytest.mark.parametrize("backend", ["sqlite_file", "sqlite_memory"], indirect=True)
@@ -36,14 +37,16 @@ def _grouping_on(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @contextmanager
 def held(worker: SqliteThreadWorker) -> Iterator[None]:
-    """Keep the I/O thread inside one unit; what is submitted meanwhile queues up behind it."""
+    """Keep the writer thread inside one unit; what is submitted meanwhile queues up behind it.  The
+    unit ends its transaction first, so that it holds no lock while it waits."""
     started, release = threading.Event(), threading.Event()
 
     def blocker(ctx: UnitContext) -> None:
+        ctx.conn.rollback()
         started.set()
         release.wait(30)
 
-    fut = worker.submit(blocker, write=False, deadline_s=30)
+    fut = worker.submit(blocker, write=True, deadline_s=30)
     assert started.wait(10)
     try:
         yield
@@ -95,7 +98,8 @@ async def probe_keys(worker: SqliteThreadWorker, table: str = "gc_probe") -> lis
         "gc_probe": "SELECT k FROM gc_probe ORDER BY k",
         "gc_parent": "SELECT k FROM gc_parent ORDER BY k",
     }[table]
-    fut = worker.submit(lambda ctx: [r[0] for r in ctx.conn.exec_driver_sql(sql)], write=False, deadline_s=10)
+    # On the writer connection, whose temp tables they are (reads of a file run on reader connections).
+    fut = worker.submit(lambda ctx: [r[0] for r in ctx.conn.exec_driver_sql(sql)], write=True, deadline_s=10)
     return await asyncio.wrap_future(fut)
 
 

@@ -29,16 +29,16 @@ ENQUEUE_BATCH = 500
 def _claim_in_child(index: int, url: str, options: dict[str, Any], barrier: Any, results: Any) -> None:
     """Child process: open the store from its URL, wait for the others, claim until the queue is empty."""
     try:
-        claimed, batched = asyncio.run(_claim_all(index, url, options, barrier))
-        results.put((index, claimed, batched, None))
+        claimed = asyncio.run(_claim_all(index, url, options, barrier))
+        results.put((index, claimed, None))
     except BaseException:  # noqa: BLE001 - everything is reported to the parent
-        results.put((index, [], 0, traceback.format_exc()))
+        results.put((index, [], traceback.format_exc()))
 
 
 async def _claim_all(
     index: int, url: str, options: dict[str, Any], barrier: Any
-) -> tuple[list[tuple[str, str, str]], int]:
-    """The process's claims, and how many of its calls ran in batches (ADR 0005 decision 7)."""
+) -> list[tuple[str, str, str]]:
+    """The process's claims."""
     store = SqlLightningStore(url, **options)
     try:
         await store.statistics()  # connect and check the schema before the race starts
@@ -51,7 +51,7 @@ async def _claim_all(
             return mine
 
         batches = await asyncio.gather(*(claimer(f"P{index}-W{i}") for i in range(CLAIMERS_PER_PROCESS)))
-        return [item for batch in batches for item in batch], store._worker.batched_units
+        return [item for batch in batches for item in batch]
     finally:
         await store.close()
 
@@ -83,13 +83,11 @@ async def test_four_processes_claim_every_rollout_exactly_once(mp_backend):
         for p in procs:
             p.start()
         outcomes: dict[int, tuple[list[tuple[str, str, str]], str | None]] = {}
-        batched = 0
         try:
             while len(outcomes) < N_PROCESSES:
                 remaining = CHILD_DEADLINE_S - (time.monotonic() - started)
-                index, claimed, in_batches, error = results.get(timeout=max(remaining, 0.1))
+                index, claimed, error = results.get(timeout=max(remaining, 0.1))
                 outcomes[index] = (claimed, error)
-                batched += in_batches
         except queue_mod.Empty:
             raise AssertionError(
                 f"only {len(outcomes)} of {N_PROCESSES} processes finished in {CHILD_DEADLINE_S}s"
@@ -112,11 +110,8 @@ async def test_four_processes_claim_every_rollout_exactly_once(mp_backend):
         per_process = {i: len(c) for i, (c, _e) in outcomes.items()}
         print(
             f"\n{mp_backend.name}: {N_ROLLOUTS} claims by {N_PROCESSES}x{CLAIMERS_PER_PROCESS} in {elapsed:.1f}s; "
-            f"{per_process}; {batched} calls in batches"
+            f"{per_process}"
         )
-        # The claimers of each process claim at the same moments: their calls ran as batches, and
-        # the batches of different processes raced each other (their SKIP LOCKED / serialised writes).
-        assert batched > 0
 
         # The database agrees: one attempt per rollout, the one its claimer saw, nothing left queued.
         stats = await store.statistics()

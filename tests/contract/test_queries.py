@@ -8,7 +8,7 @@ from __future__ import annotations
 import warnings
 
 import pytest
-from sqlalchemy import event
+from sqlalchemy import Engine, event
 
 from lightning_sql import Attempt, AttemptedRollout, EnqueueRolloutRequest, PaginatedResult, Rollout, Span
 from tests.contract.test_spans import make_span
@@ -184,7 +184,7 @@ async def test_pagination_rules_on_every_query_method(store):
 
 async def test_span_pages_at_offsets_make_up_the_whole_order(store):
     """Pages at offsets concatenate to the whole result in every order, ties in insertion order
-    (on PostgreSQL a page at an offset reads its ids first: ADR 0005 decision 17)."""
+    (on PostgreSQL a page at an offset reads its ids first: docs/adr/0010-span-pages-follow-the-index.md)."""
     ar = await store.start_rollout(1)
     rid, aid = ar.rollout_id, ar.attempt.attempt_id
     await store.add_many_spans(
@@ -317,15 +317,8 @@ async def test_query_spans_filters(store):
 # --- no N+1 ---------------------------------------------------------------------------------------
 
 
-def _engine_of(store):
-    if hasattr(store._worker, "engine_for_this_loop"):  # PostgreSQL: this loop's units may run on its own engine
-        return store._worker.engine_for_this_loop()
-    engine = store._worker._engine
-    return getattr(engine, "sync_engine", engine)
-
-
 async def _count_statements(store, coro_factory) -> int:
-    engine = _engine_of(store)
+    engine = Engine  # every engine of the process: the store's executor owns its engines
     statements: list[str] = []
 
     def before(conn, cursor, statement, parameters, context, executemany):

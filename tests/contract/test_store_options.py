@@ -79,7 +79,9 @@ async def test_engine_options_are_checked_per_backend(backend):
         with pytest.raises(ValueError, match="busy_timeout") as info:
             backend.open(run="x", busy_timeout=5)
         assert "postgres" in str(info.value).lower()
-        st = backend.open(run="x", pool_size=2, max_overflow=1, pool_pre_ping=True, echo=False)
+        with pytest.raises(ValueError, match="max_overflow"):
+            backend.open(run="x", max_overflow=1)  # the connection budget is pool_size + 1
+        st = backend.open(run="x", pool_size=2, pool_pre_ping=True, echo=False)
     else:
         with pytest.raises(ValueError, match="pool_size") as info:
             backend.open(run="x", pool_size=2)

@@ -344,7 +344,7 @@ async def _until(condition: Any, timeout_s: float) -> None:
 
 
 def test_notify_channels_fit_postgres_identifiers():
-    from lightning_sql.store.sql.engine import NOTIFY_CHANNEL, notify_channel
+    from lightning_sql.store.sql.executor import NOTIFY_CHANNEL, notify_channel
 
     assert notify_channel(None) == NOTIFY_CHANNEL  # the default schema keeps the channel of old
     assert notify_channel("tenant_a") == f"{NOTIFY_CHANNEL}:tenant_a"

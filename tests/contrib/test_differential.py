@@ -215,7 +215,7 @@ async def test_spans_sequence_ids_and_heartbeats(d: Differ) -> None:
     s = d.same
     await s("start_rollout", {"x": 1}, worker_id="w1")
     await s("start_rollout", {"x": 2})
-    # Counters interleave with explicit sequence ids (contract §2.9's example).
+    # Counters interleave with explicit sequence ids (docs/store-contract.md §2.9's example).
     await s("get_next_span_sequence_id", R(0), A(0))
     await s("add_otel_span", R(0), A(0), otel_span("explicit"), 2)
     await s("get_next_span_sequence_id", R(0), A(0))
@@ -555,7 +555,7 @@ async def test_otlp_endpoint_error_text(d: Differ) -> None:
 
 
 # ============================================================================================
-# Documented deviations (contract §5): asserted exactly, both sides
+# Documented deviations (docs/store-contract.md §5): asserted exactly, both sides
 # ============================================================================================
 
 
@@ -769,8 +769,8 @@ async def test_wait_for_rollouts_repeated_ids(d: Differ) -> None:
 @pytest.mark.xfail(
     strict=True,
     raises=Divergence,
-    reason="deliberate (contract §1.13/§2.10: ties and sort_by=None keep insertion order): upstream lists "
-    "later attempts first",
+    reason="deliberate (docs/store-contract.md §1.13/§2.10: ties and sort_by=None keep insertion order): "
+    "upstream lists later attempts first",
 )
 @pytest.mark.parametrize("sort_by", ["sequence_id", None])
 async def test_query_spans_order_across_attempts(d: Differ, sort_by: str | None) -> None:
@@ -783,14 +783,16 @@ async def test_query_spans_order_across_attempts(d: Differ, sort_by: str | None)
 
 
 @pytest.mark.xfail(
-    strict=True, raises=Divergence, reason="deliberate (contract §2.9): upstream add_many_spans misreports a partial insert"
+    strict=True,
+    raises=Divergence,
+    reason="deliberate (docs/store-contract.md §2.9): upstream add_many_spans misreports a partial insert",
 )
 async def test_add_many_spans_new_span_before_a_stored_duplicate(d: Differ) -> None:
     await d.same("start_rollout", {"x": 0})
     await d.same("add_span", span(R(0), A(0), 1, "stored"))
     # Upstream inserts "new" before hitting the stored duplicate, then retries one by one: "new" now
     # looks like a duplicate (ERROR log), and the call returns [] although "new" was stored and no
-    # heartbeat was written. We return [new] and heartbeat the attempt (contract §2.9).
+    # heartbeat was written. We return [new] and heartbeat the attempt (docs/store-contract.md §2.9).
     await d.same("add_many_spans", [span(R(0), A(0), 2, "new"), span(R(0), A(0), 3, "stored")])
 
 

@@ -12,20 +12,15 @@ import asyncio
 import multiprocessing
 import os
 import random
-import shutil
-import socket
-import subprocess
-import tempfile
 import time
 import traceback
 from collections.abc import Sequence
-from glob import glob
-from pathlib import Path
 from typing import Any
 
 from lightning_sql import RolloutConfig, SqlLightningStore, StoreUnavailableError
 from lightning_sql.store.sql.check import check_invariants
 from lightning_sql.types import Span
+from tests.faults.servers import ThrowawayPostgres
 
 # --- size knobs -------------------------------------------------------------------------------------
 
@@ -38,6 +33,15 @@ def knob(name: str, default: float) -> float:
 
 def int_knob(name: str, default: int) -> int:
     return int(knob(name, default))
+
+
+FULL_SIZE = os.environ.get("LIGHTNING_SQL_FAULT_SIZE", "").lower() == "full"
+
+
+def sized(name: str, ci: float, full: float) -> float:
+    """A size knob with two defaults: ``ci`` (small, the default) and ``full`` (the issue's size, under
+    LIGHTNING_SQL_FAULT_SIZE=full); the variable ``name`` overrides both."""
+    return knob(name, full if FULL_SIZE else ci)
 
 
 # --- store helpers ----------------------------------------------------------------------------------
@@ -213,72 +217,7 @@ async def _pressure(store: SqlLightningStore, worker_id: str, seconds: float) ->
     return ops, errors
 
 
-# --- a throwaway PostgreSQL cluster -------------------------------------------------------------------
-
-
-def _pg_bin(name: str) -> str:
-    candidates = sorted(glob(f"/usr/lib/postgresql/*/bin/{name}"))
-    if candidates:
-        return candidates[-1]
-    found = shutil.which(name)
-    if found is None:
-        raise FileNotFoundError(f"{name} not found under /usr/lib/postgresql/*/bin or on PATH")
-    return found
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class ThrowawayPostgres:
-    """A private PostgreSQL cluster (initdb + pg_ctl as the ``postgres`` OS user, trust auth, temp dir).
-
-    Scenarios that stop, restart or crash the server use this, never the shared server on 5432.
-    """
-
-    def __init__(self) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="lsql-pg-"))
-        self.data = self.dir / "data"
-        self.log = self.dir / "server.log"
-        self.port = free_port()
-        self._as_postgres = os.geteuid() == 0
-        if self._as_postgres:
-            shutil.chown(self.dir, user="postgres", group="postgres")
-        self._run(_pg_bin("initdb"), "-D", str(self.data), "-A", "trust", "-U", "postgres", "--no-sync")
-        conf = self.data / "postgresql.conf"
-        with open(conf, "a") as fh:
-            fh.write(
-                f"\nport = {self.port}\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = '{self.dir}'\n"
-                "fsync = off\nmax_connections = 100\n"
-            )
-
-    def _run(self, *args: str) -> None:
-        cmd = ["runuser", "-u", "postgres", "--", *args] if self._as_postgres else list(args)
-        subprocess.run(cmd, check=True, capture_output=True, timeout=120)
-
-    def url(self, password: str | None = None) -> str:
-        auth = "postgres" if password is None else f"postgres:{password}"
-        return f"postgresql://{auth}@127.0.0.1:{self.port}/postgres"
-
-    def start(self) -> None:
-        self._run(_pg_bin("pg_ctl"), "-D", str(self.data), "-l", str(self.log), "-w", "-t", "60", "start")
-
-    def stop(self, mode: str = "fast") -> None:
-        self._run(_pg_bin("pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "-t", "60", "stop")
-
-    def restart(self, mode: str = "fast") -> None:
-        self._run(
-            _pg_bin("pg_ctl"), "-D", str(self.data), "-l", str(self.log), "-m", mode, "-w", "-t", "60", "restart"
-        )
-
-    def destroy(self) -> None:
-        try:
-            self.stop("immediate")
-        except subprocess.CalledProcessError:
-            pass  # already stopped
-        shutil.rmtree(self.dir, ignore_errors=True)
+# --- PostgreSQL backends ---------------------------------------------------------------------------
 
 
 async def terminate_backends(url: str, *, every_other: bool = False) -> int:
@@ -314,5 +253,6 @@ __all__ = [
     "mp_context",
     "pressure_main",
     "runner_main",
+    "sized",
     "terminate_backends",
 ]

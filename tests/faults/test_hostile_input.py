@@ -278,7 +278,7 @@ async def test_sort_fields_come_from_the_allow_list(store_factory: Callable[...,
 
 async def test_order_and_logic_are_literals(store_factory: Callable[..., SqlLightningStore]) -> None:
     store = store_factory()
-    # Upstream's texts (contract §0.6: a ValueError naming the value).
+    # Upstream's texts (docs/store-contract.md §0.6: a ValueError naming the value).
     for bad in ("asc; DROP TABLE rollouts", "ASC", "descending", ""):
         with pytest.raises(ValueError, match=re.escape(f"Unsupported sort order {bad!r}")):
             await store.query_rollouts(sort_by="rollout_id", sort_order=bad)  # type: ignore[arg-type]

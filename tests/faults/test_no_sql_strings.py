@@ -21,22 +21,10 @@ SQL_SINKS = {"text", "literal_column", "exec_driver_sql", "execute", "executescr
 
 # (path relative to the repo, exact source of the SQL argument) -> why it is safe.
 ALLOWED: dict[tuple[str, str], str] = {
-    ("lightning_sql/store/sql/engine.py", 'f"PRAGMA busy_timeout={int(busy * 1000)}"'): (
-        "PRAGMA takes no bound parameters; the value is forced through int()"
-    ),
-    ("lightning_sql/store/sql/engine.py", 'f"PRAGMA busy_timeout={int(self._busy_ms)}"'): (
-        "PRAGMA takes no bound parameters; the value is forced through int()"
-    ),
-    ("lightning_sql/store/sql/engine.py", 'f"PRAGMA wal_autocheckpoint={int(SQLITE_AUTOCHECKPOINT_BACKSTOP_PAGES)}"'): (
-        "PRAGMA takes no bound parameters; the value is a module constant forced through int()"
-    ),
     ("lightning_sql/store/sql/migrate.py", 'f"CREATE SCHEMA IF NOT EXISTS {quoted}"'): (
         "DDL takes no bound parameters; the schema name is quoted by the dialect's identifier preparer"
     ),
     ("lightning_sql/store/sql/migrate.py", "f\"PRAGMA legacy_alter_table={'ON' if previous else 'OFF'}\""): (
-        "PRAGMA takes no bound parameters; the f-string only chooses between two literals"
-    ),
-    ("lightning_sql/cli.py", "f\"PRAGMA foreign_keys={'OFF' if migrating else 'ON'}\""): (
         "PRAGMA takes no bound parameters; the f-string only chooses between two literals"
     ),
     ("lightning_sql/store/sql/planner_stats.py", 'f"ANALYZE {tables}"'): (

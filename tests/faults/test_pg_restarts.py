@@ -17,12 +17,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterator
 
 import pytest
 
 from lightning_sql import SqlLightningStore, StoreUnavailableError
-from tests.conftest import REQUIRE_PG
 from tests.faults.support import ThrowawayPostgres, assert_consistent, int_knob, make_span, terminate_backends
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
@@ -31,25 +29,10 @@ SPANS_PER_ROLLOUT = 3
 N_RUNNERS = 8
 
 
-@pytest.fixture(scope="module")
-def private_pg() -> Iterator[ThrowawayPostgres]:
-    try:
-        pg = ThrowawayPostgres()
-        pg.start()
-    except (FileNotFoundError, OSError) as exc:  # no PostgreSQL binaries on this machine
-        if REQUIRE_PG:
-            pytest.fail(f"a private PostgreSQL cluster is required in CI: {exc}")
-        pytest.skip(f"cannot start a private PostgreSQL cluster: {exc}")
-    try:
-        yield pg
-    finally:
-        pg.destroy()
-
-
-async def test_run_survives_terminated_backends_and_a_restart(private_pg: ThrowawayPostgres) -> None:
+async def test_run_survives_terminated_backends_and_a_restart(throwaway_pg: ThrowawayPostgres) -> None:
     n_rollouts = int_knob("LIGHTNING_SQL_FAULT_RESTART_ROLLOUTS", 240)
     store = SqlLightningStore(
-        private_pg.url(), run="restarts", connect_deadline_seconds=60, scan_debounce_seconds=1
+        throwaway_pg.url(), run="restarts", connect_deadline_seconds=60, scan_debounce_seconds=1
     )
     errors: list[str] = []
     done = 0
@@ -80,12 +63,12 @@ async def test_run_survives_terminated_backends_and_a_restart(private_pg: Throwa
         tasks = [asyncio.create_task(runner(n)) for n in range(N_RUNNERS)]
         events = []
         await until(0.2)
-        events.append(("terminate every other backend", await terminate_backends(private_pg.url(), every_other=True)))
+        events.append(("terminate every other backend", await terminate_backends(throwaway_pg.url(), every_other=True)))
         await until(0.4)
-        events.append(("terminate every backend", await terminate_backends(private_pg.url())))
+        events.append(("terminate every backend", await terminate_backends(throwaway_pg.url())))
         await until(0.6)
         t0 = time.monotonic()
-        await asyncio.to_thread(private_pg.restart)
+        await asyncio.to_thread(throwaway_pg.restart)
         events.append(("restart (s)", round(time.monotonic() - t0, 2)))
         progress_at_restart = done
         await asyncio.wait_for(asyncio.gather(*tasks), timeout=180)
@@ -107,14 +90,14 @@ async def test_run_survives_terminated_backends_and_a_restart(private_pg: Throwa
 
 
 async def test_server_down_past_the_deadline_raises_then_recovers(
-    private_pg: ThrowawayPostgres, caplog: pytest.LogCaptureFixture
+    throwaway_pg: ThrowawayPostgres, caplog: pytest.LogCaptureFixture
 ) -> None:
     deadline_s = 2.0
-    url = private_pg.url(password="s3cret")  # trust auth ignores it; it must never be shown
+    url = throwaway_pg.url(password="s3cret")  # trust auth ignores it; it must never be shown
     store = SqlLightningStore(url, run="down", connect_deadline_seconds=deadline_s, clock_sync=False)
     try:
         rollout = await store.enqueue_rollout({"x": 1})
-        private_pg.stop()
+        throwaway_pg.stop()
         try:
             caplog.set_level(logging.DEBUG)
             for call in (store.query_rollouts, lambda: store.enqueue_rollout({"x": 2})):
@@ -125,11 +108,11 @@ async def test_server_down_past_the_deadline_raises_then_recovers(
                 message = str(info.value)
                 print(f"\n[pg down] raised after {elapsed:.1f}s: {message}")
                 assert elapsed < deadline_s + 20, "the call hung instead of failing at the deadline"
-                assert f"127.0.0.1:{private_pg.port}" in message and "***" in message
+                assert f"127.0.0.1:{throwaway_pg.port}" in message and "***" in message
                 assert "s3cret" not in message and "s3cret" not in repr(info.value)
             assert "s3cret" not in caplog.text
         finally:
-            private_pg.start()
+            throwaway_pg.start()
         # Back up: the same store instance carries on.
         assert (await store.get_rollout_by_id(rollout.rollout_id)) is not None
         await store.enqueue_rollout({"x": 3})

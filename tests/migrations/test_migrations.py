@@ -1,4 +1,4 @@
-"""Migrations on SQLite and PostgreSQL (DESIGN §6, store-contract §4).
+"""Migrations on SQLite and PostgreSQL (docs/architecture.md §9, docs/store-contract.md §4).
 
 models == migrations (no autogenerate diff, and `check` can fail), catalogue after `upgrade head` ==
 catalogue of a fresh `create_all`, upgrade -> downgrade -> upgrade, data surviving an upgrade,

@@ -1,4 +1,4 @@
-"""Revision 0004: the spans' ordering index ends with ``id`` (ADR 0005 decision 17).
+"""Revision 0004: the spans' ordering index ends with ``id`` (docs/adr/0010-span-pages-follow-the-index.md).
 
 The upgrade replaces ``(run_id, rollout_id, attempt_id, sequence_id)`` by ``(..., sequence_id, id)``
 and keeps the spans; the downgrade puts the old index back.  On PostgreSQL an index an operator

@@ -1,4 +1,4 @@
-"""Revision 0002: the analysis views and the reward-span index (DESIGN §3, §6).
+"""Revision 0002: the analysis views and the reward-span index (docs/architecture.md §3, §9).
 
 Same catalogue after ``upgrade head`` as after a fresh ``create_all`` (views and the partial index
 included), downgrade 0002 -> 0001 removes exactly them, data written at 0001 shows up in the views

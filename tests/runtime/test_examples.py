@@ -4,35 +4,99 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
+import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from lightning_sql import SqlLightningStore
+from lightning_sql import FINISHED_STATUSES, SqlLightningStore
+from lightning_sql.runtime.summary import FitSummary, collect_summary
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-def test_quickstart_runs_then_reports_the_finished_run(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'quick.db'}"
-    cmd = [sys.executable, str(EXAMPLES / "quickstart.py"), "--url", url, "--runners", "4"]
-    first = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert first.returncode == 0, first.stderr
-    assert "240/240" in first.stdout and "train" in first.stdout and "spans stored: 480" in first.stdout
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert again.returncode == 0, again.stderr
-    assert "is complete" in again.stdout and "spans stored: 480" in again.stdout
+N_QUICKSTART_ROLLOUTS = 416  # 32 train samples x 11 search stages + 32 val samples x 2
+N_QUICKSTART_VERSIONS = 12
 
-    async def check() -> None:
-        store = SqlLightningStore(url, run="quickstart", read_only=True)
-        rollouts = list(await store.query_rollouts())
-        assert len(rollouts) == 240 and {r.status for r in rollouts} == {"succeeded"}
-        assert (await store.get_run("quickstart")).status == "finished"  # type: ignore[union-attr]
+
+def _quickstart(url: str, cwd: Path) -> subprocess.Popen[str]:
+    cmd = [sys.executable, str(EXAMPLES / "quickstart.py"), "--url", url, "--runners", "4"]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd)
+
+
+async def _finished(url: str) -> int:
+    store = SqlLightningStore(url, run="quickstart", read_only=True)
+    try:
+        return (await store.query_rollouts(status_in=list(FINISHED_STATUSES), limit=0)).total
+    except Exception:  # noqa: BLE001 - the database or the run does not exist yet
+        return 0
+    finally:
         await store.close()
 
-    asyncio.run(check())
+
+async def _learning(url: str) -> tuple[FitSummary, int | None, Counter[str | None]]:
+    store = SqlLightningStore(url, run="quickstart", read_only=True)
+    try:
+        summary = await collect_summary(store, "quickstart")
+        latest = await store.get_resources_by_id("prompt-search")
+        keys = Counter(r.idempotency_key for r in await store.query_rollouts())
+        return summary, latest.version if latest else None, keys
+    finally:
+        await store.close()
+
+
+def test_quickstart_learns_across_versions_and_reports_the_finished_run(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'quick.db'}"
+    first = _quickstart(url, tmp_path)
+    out, _ = first.communicate(timeout=180)
+    assert first.returncode == 0, out
+    assert f"{N_QUICKSTART_ROLLOUTS}/{N_QUICKSTART_ROLLOUTS}" in out
+    assert "what the prompt search learned" in out and "the best prompt, on val" in out
+    assert "SELECT resources_version, mode" in out  # the SQL compares versions
+
+    summary, latest, keys = asyncio.run(_learning(url))
+    assert latest == N_QUICKSTART_VERSIONS and set(keys.values()) == {1}
+    train = {v.version: v.mean_reward for v in summary.versions if v.mode == "train"}
+    val = {v.version: v.mean_reward for v in summary.versions if v.mode == "val"}
+    assert sorted(val) == [1, N_QUICKSTART_VERSIONS]
+    assert val[N_QUICKSTART_VERSIONS] > val[1] + 0.3  # the best prompt beats the initial one on val
+    assert max(train.values()) > train[1] + 0.3
+
+    again = _quickstart(url, tmp_path)
+    out, _ = again.communicate(timeout=180)
+    assert again.returncode == 0, out
+    assert "is complete" in out and "The run was already complete: nothing ran" in out
+    assert asyncio.run(_learning(url))[1] == N_QUICKSTART_VERSIONS  # nothing published again
+
+
+def test_quickstart_resumes_mid_search(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'quick.db'}"
+    first = _quickstart(url, tmp_path)
+    deadline = time.monotonic() + 120
+    while asyncio.run(_finished(url)) < 100:  # past stage 0 (64 rollouts): inside the search
+        assert first.poll() is None, first.communicate()[0]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    first.send_signal(signal.SIGINT)
+    out, _ = first.communicate(timeout=60)
+    assert first.returncode == 130, out
+    assert "Run the same command again to resume" in out
+    interrupted = asyncio.run(_finished(url))
+    assert interrupted < N_QUICKSTART_ROLLOUTS
+
+    again = _quickstart(url, tmp_path)
+    out, _ = again.communicate(timeout=180)
+    assert again.returncode == 0, out
+    assert "Resuming run quickstart" in out
+    summary, latest, keys = asyncio.run(_learning(url))
+    assert sum(keys.values()) == N_QUICKSTART_ROLLOUTS and set(keys.values()) == {1}
+    assert summary.count(status="succeeded") == N_QUICKSTART_ROLLOUTS
+    assert latest == N_QUICKSTART_VERSIONS  # the resumed search published no candidate twice
+    assert summary.new_this_fit == N_QUICKSTART_ROLLOUTS - summary.finished_before
 
 
 @pytest.mark.skipif(

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_sql import FINISHED_STATUSES
+from lightning_sql.runtime.algorithm import sample_keys
 
 N_SAMPLES = int(os.environ.get("LIGHTNING_SQL_TEST_RESUME_SAMPLES", "40"))
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,7 +62,7 @@ def test_sigkill_then_resume_finishes_every_sample_once(mp_backend: Any) -> None
         async def check() -> None:
             rollouts = list(await observer.query_rollouts())
             keys = Counter(r.idempotency_key for r in rollouts)
-            assert sorted(keys) == sorted(f"0:train:{i}" for i in range(N_SAMPLES))
+            assert sorted(keys) == sorted(sample_keys(0, [("train", {"x": i}) for i in range(N_SAMPLES)]))
             assert set(keys.values()) == {1}  # no sample enqueued twice
             assert {r.status for r in rollouts} == {"succeeded"}
             retried = 0

@@ -17,6 +17,7 @@ from lightning_sql import (
     Trainer,
     reward_value_key,
 )
+from lightning_sql.runtime.algorithm import sample_keys
 from lightning_sql.runtime.runner import ERROR_TRACEBACK_LIMIT
 from tests.runtime import agents
 
@@ -60,9 +61,11 @@ def test_fit_end_to_end(mp_backend: Any, strategy: str, agent_name: str) -> None
         got = _summary(store)
         assert got["run"].status == "finished"
         rollouts = got["rollouts"]
+        samples = [("train", s) for s in train] + [("val", s) for s in val]
         assert sorted((r.mode, r.idempotency_key) for r in rollouts) == sorted(
-            [("train", f"0:train:{i}") for i in range(6)] + [("val", f"0:val:{6 + i}") for i in range(3)]
+            (mode, key) for (mode, _), key in zip(samples, sample_keys(0, samples), strict=True)
         )
+        assert all(key.startswith(f"0:{mode}:") for mode, key in ((r.mode, r.idempotency_key) for r in rollouts))
         assert {r.status for r in rollouts} == {"succeeded"}
         for r in rollouts:
             assert r.metadata == {"baseline_sample": r.idempotency_key}
@@ -168,7 +171,9 @@ def test_failure_without_retry_fails_the_rollout(mp_backend: Any) -> None:
         error = attempt.metadata["error"]
         assert error["type"] == "ValueError" and error["message"].startswith("boom xxx")
         assert len(error["traceback"]) <= ERROR_TRACEBACK_LIMIT + 100
-        assert error["traceback"].rstrip().endswith("x")  # the end of the traceback is kept
+        # The frames that say where it failed are kept; the 50,000-character message is cut.
+        assert 'raise ValueError("boom " + "x" * 50_000)' in error["traceback"]
+        assert error["traceback"].rstrip().endswith("xxx...(truncated)")
     finally:
         _close(store)
 

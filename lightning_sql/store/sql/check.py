@@ -38,7 +38,7 @@ from sqlalchemy import Connection, and_, func, not_, or_, select, text
 from sqlalchemy.sql import Select
 
 from lightning_sql.store.sql import schema as s
-from lightning_sql.store.sql.engine import UnitContext
+from lightning_sql.store.sql.executor import UnitContext
 
 if TYPE_CHECKING:
     from lightning_sql.store.sql.store import SqlLightningStore

@@ -1,4 +1,4 @@
-"""Query filters, sorting and pagination compiled to SQL (contract §1.12, §1.13, §2.11).
+"""Query filters, sorting and pagination compiled to SQL (docs/store-contract.md §1.12, §1.13, §2.11).
 
 Sorting and filtering only ever name columns from the allow-lists below: a caller's field name is
 looked up, never spliced into SQL.

@@ -1,22 +1,20 @@
-"""Per-instance plumbing of ``SqlLightningStore`` (contract §0, §2.15, §4).
+"""Per-instance plumbing of ``SqlLightningStore``.
 
 Everything an instance holds besides the contract's methods: its options and their validation, the
-run it is bound to, the store clock, the hand-off of units to the process's I/O worker (with
-cancellation), the lazy sweeper's debounce, waiters released by ``close()``, pickling and fork
-handling.  Durable state lives in the database; this is the little that lives in the instance.
+run it is bound to, the store clock, the hand-off of units to the process's executor (with
+cancellation safety), the lazy sweeper's debounce, waiters released by ``close()``, pickling and
+fork handling.  Durable state lives in the database; this is the little that lives in the instance.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
-import operator
 import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any, Self, TypeVar
 
@@ -26,35 +24,27 @@ from lightning_sql.store.sql import dialect as d
 from lightning_sql.store.sql import planner_stats, sweeper
 from lightning_sql.store.sql import runs as run_units
 from lightning_sql.store.sql import schema as s
-from lightning_sql.store.sql.engine import (
-    AsyncLoopWorker,
-    BatchUnit,
-    DatabaseTarget,
-    IoWorker,
-    NeedsTransaction,
-    Planned,
+from lightning_sql.store.sql.executor import (
+    Executor,
     SchemaUnit,
-    SqliteThreadWorker,
     UnitContext,
-    acquire_worker,
-    drop_closed_loops,
-    normalise_url,
+    acquire_executor,
     notify_channel,
-    release_worker,
-    wake_loop,
+    release_executor,
 )
-from lightning_sql.store.sql.errors import StoreUnavailableError
 from lightning_sql.store.sql.rows import encoded
+from lightning_sql.store.sql.urls import DatabaseTarget, normalise_url
+from lightning_sql.store.sql.waits import WaitEntry, call_soon_threadsafe
 from lightning_sql.types import LightningStoreCapabilities, RolloutConfig, check_text, generate_id
 
 logger = logging.getLogger("lightning_sql.store.sql.store")
 
 T = TypeVar("T")
 
-# How often an instance re-measures its offset to the PostgreSQL server's clock (§0.2).
+# How often an instance re-measures its offset to the PostgreSQL server's clock.
 CLOCK_SYNC_INTERVAL_S = 300.0
-_SQLITE_ENGINE_OPTIONS = {"busy_timeout", "echo"}
-_PG_ENGINE_OPTIONS = {"pool_size", "max_overflow", "pool_timeout", "pool_recycle", "pool_pre_ping", "connect_args", "echo"}
+_SQLITE_OPTIONS = {"busy_timeout", "echo"}
+_PG_OPTIONS = {"pool_size", "pool_recycle", "pool_pre_ping", "connect_args", "echo", "listen", "listen_url"}
 
 
 # Every live instance of this process, so that a forked child can reset their per-process state.
@@ -64,9 +54,6 @@ _INSTANCES: weakref.WeakSet[StoreInstance] = weakref.WeakSet()
 def _reset_instances_after_fork() -> None:
     # Runs in the child right after fork(), single-threaded: locks held by the parent's other threads
     # and flags of the parent's in-flight calls (a lazy sweep, waits) do not belong to the child.
-    global _relays_lock
-    _relays_lock = threading.Lock()
-    _relays.clear()
     for instance in list(_INSTANCES):
         instance._sweep_lock = threading.Lock()
         instance._attach_lock = threading.Lock()
@@ -77,66 +64,15 @@ def _reset_instances_after_fork() -> None:
 os.register_at_fork(after_in_child=_reset_instances_after_fork)
 
 
-class _Relay:
-    """Hands finished units from I/O threads to one event loop, one wake-up per burst.
-
-    ``asyncio.wrap_future`` costs a ``call_soon_threadsafe`` (a self-pipe write and an epoll wake-up)
-    per finished unit; when the I/O thread finishes a group of units, one wake-up delivers them all.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.lock = threading.Lock()
-        self.pending: list[tuple[concurrent.futures.Future[Any], asyncio.Future[Any]]] = []
-
-    def push(self, cfut: concurrent.futures.Future[Any], afut: asyncio.Future[Any]) -> None:
-        with self.lock:
-            self.pending.append((cfut, afut))
-            first = len(self.pending) == 1
-        if first:
-            wake_loop(self.loop, self.flush)
-
-    def flush(self) -> None:
-        with self.lock:
-            items, self.pending = self.pending, []
-        for cfut, afut in items:
-            if afut.done():
-                continue
-            if cfut.cancelled():
-                afut.cancel()
-                continue
-            exc = cfut.exception()
-            if exc is not None:
-                afut.set_exception(exc)
-            else:
-                afut.set_result(cfut.result())
-
-
-_relays: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Relay] = weakref.WeakKeyDictionary()
-_relays_lock = threading.Lock()
-
-
-def _relay(cfut: concurrent.futures.Future[T]) -> asyncio.Future[T]:
-    """An asyncio future of the running loop that completes with ``cfut`` (see ``_Relay``)."""
-    loop = asyncio.get_running_loop()
-    relay = _relays.get(loop)
-    if relay is None:
-        with _relays_lock:
-            relay = _relays.setdefault(loop, _Relay(loop))
-    afut: asyncio.Future[T] = loop.create_future()
-    cfut.add_done_callback(lambda done: relay.push(done, afut))
-    return afut
-
-
-async def _outcome(afut: asyncio.Future[T]) -> T:
+async def _outcome(fut: asyncio.Future[T]) -> T:
     """The result of a unit that was handed over; a cancelled caller still lets it complete or roll
-    back as a whole, then re-raises."""
+    back as a whole, then re-raises (a cancelled claim never leaves an ownerless rollout)."""
     try:
-        return await asyncio.shield(afut)
+        return await asyncio.shield(fut)
     except asyncio.CancelledError:
-        while not afut.done():
+        while not fut.done():
             try:
-                await asyncio.shield(afut)
+                await asyncio.shield(fut)
             except asyncio.CancelledError:
                 continue
             except BaseException:  # noqa: BLE001 - the caller is cancelled anyway
@@ -144,56 +80,8 @@ async def _outcome(afut: asyncio.Future[T]) -> T:
         raise
 
 
-def _settle(source: asyncio.Future[T], target: asyncio.Future[T]) -> None:
-    """Complete ``target`` as ``source`` completes."""
-
-    def copy(done: asyncio.Future[T]) -> None:
-        if target.done():
-            return
-        if done.cancelled():
-            target.cancel()
-        elif done.exception() is not None:
-            target.set_exception(done.exception())  # type: ignore[arg-type]
-        else:
-            target.set_result(done.result())
-
-    source.add_done_callback(copy)
-
-
-def _replaying(unit: Callable[[UnitContext], T], attempt: int) -> Callable[[UnitContext], T]:
-    """``unit`` seeing ``ctx.attempt`` at least ``attempt`` (a replay after a try that may have run)."""
-    if attempt == 0:
-        return unit
-
-    def replay(ctx: UnitContext) -> T:
-        ctx.attempt = max(ctx.attempt, attempt)
-        return unit(ctx)
-
-    return replay
-
-
 def _generated_run_name() -> str:
     return f"run-{datetime.now().strftime('%Y%m%d-%H%M%S')}-{generate_id(4)}"
-
-
-# Batch functions bound to a run that an instance keeps (``_bind_batch``): the store passes module
-# functions and plans of its own, a handful per run; past this (many runs) it starts over.
-_BATCH_CALLS_KEPT = 64
-
-
-def _bind_batch(
-    run_batch: Callable[[UnitContext, int, list[Any]], list[Any]],
-    run_id: int,
-    plan: Callable[[int, list[Any]], Any] | None,
-) -> tuple[Hashable, Callable[[UnitContext, list[Any]], list[Any]], Callable[[list[Any]], Any] | None]:
-    """A ``BatchUnit``'s key, batch function and plan for ``run_batch`` and ``plan`` of one run,
-    made once and kept by the instance: a call's unit then holds no closures of its own (a call in
-    flight is fewer objects for the collector's young collections to walk)."""
-    return (
-        (run_batch, run_id),
-        lambda ctx, many: run_batch(ctx, run_id, many),
-        None if plan is None else lambda many: plan(run_id, many),
-    )
 
 
 class StoreInstance:
@@ -251,7 +139,7 @@ class StoreInstance:
             raise ValueError(f"schema must be a non-empty str, got {schema!r}")
         if target.dialect == "sqlite" and schema != s.DEFAULT_PG_SCHEMA:
             raise ValueError(f"schema={schema!r} applies to PostgreSQL only; SQLite files have no schemas")
-        allowed = _PG_ENGINE_OPTIONS if target.dialect == "postgresql" else _SQLITE_ENGINE_OPTIONS
+        allowed = _PG_OPTIONS if target.dialect == "postgresql" else _SQLITE_OPTIONS
         for key in engine_options:
             if key not in allowed:
                 raise ValueError(
@@ -285,7 +173,7 @@ class StoreInstance:
     def _init_runtime_state(self) -> None:
         self._created_monotonic = time.monotonic()
         self._pid = os.getpid()
-        self._worker: IoWorker | None = None
+        self._worker: Executor | None = None
         self._run_id: int | None = None
         self._offset = 0.0
         self._offset_measured_at: float | None = None
@@ -299,8 +187,6 @@ class StoreInstance:
         # them and they end (§4 close releases this instance's waiters).
         self._waits: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
         self._close_count = 0
-        # (batch function, run, plan) -> what ``_bind_batch`` made of them (``_call_batchable``).
-        self._batch_calls: dict[tuple[Any, int, Any], tuple[Hashable, Any, Any]] = {}
         _INSTANCES.add(self)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -325,7 +211,6 @@ class StoreInstance:
                 "_closed",
                 "_waits",
                 "_close_count",
-                "_batch_calls",
             )
         }
         return state
@@ -366,7 +251,7 @@ class StoreInstance:
         )
 
     def otlp_traces_endpoint(self) -> str:
-        raise NotImplementedError()  # no OTLP endpoint (contract §2.16); upstream's text is empty too
+        raise NotImplementedError()  # no OTLP endpoint (docs/store-contract.md §2.16); upstream's text is empty too
 
     def _local_now(self) -> float:
         return float(self._clock()) if self._clock is not None else time.time()
@@ -375,7 +260,7 @@ class StoreInstance:
         """One reading of the store clock: local clock + measured offset (no I/O)."""
         return self._local_now() + self._offset
 
-    async def _sync_clock(self, worker: IoWorker) -> None:
+    async def _sync_clock(self, worker: Executor) -> None:
         local = self._local_now()
         if self._offset_measured_at is not None and abs(local - self._offset_measured_at) < CLOCK_SYNC_INTERVAL_S:
             return
@@ -391,11 +276,11 @@ class StoreInstance:
         self._offset = server - (holder["sent"] + holder["received"]) / 2
         self._offset_measured_at = local
 
-    def _attach(self) -> IoWorker:
+    def _attach(self) -> Executor:
         with self._attach_lock:
             pid = os.getpid()
             if pid != self._pid:
-                # A forked child: the inherited worker belongs to the parent; forget it unclosed.
+                # A forked child: the inherited executor belongs to the parent; forget it unclosed.
                 if self._target.kind == "sqlite-memory":
                     raise RuntimeError("An in-memory SQLite store cannot be used in a forked child process")
                 self._pid = pid
@@ -406,7 +291,7 @@ class StoreInstance:
                 raise RuntimeError("This in-memory SQLite store is closed")
             self._closed = False
             if self._worker is None or self._worker.closed:
-                self._worker = acquire_worker(
+                self._worker = acquire_executor(
                     self._target,
                     schema=self._schema if self._target.dialect == "postgresql" else None,
                     options=self._engine_options,
@@ -414,187 +299,18 @@ class StoreInstance:
             return self._worker
 
     async def _submit(
-        self,
-        worker: IoWorker,
-        unit: Callable[[UnitContext], T],
-        *,
-        write: bool,
-        snapshot: bool = False,
-        autocommit: bool = False,
+        self, worker: Executor, unit: Callable[[UnitContext], T], *, write: bool, snapshot: bool = False
     ) -> T:
-        """Run ``unit`` on the worker.  A read unit of the store runs without a transaction on
-        PostgreSQL (``autocommit``: none relies on locks or ``SET LOCAL``) unless it asks for a
-        ``snapshot`` (one REPEATABLE READ READ ONLY transaction); SQLite reads in one transaction,
-        on a SQLite file in the calling thread (``SqliteThreadWorker.read_inline``).  A write unit
-        runs in one transaction unless it says ``autocommit`` (honoured on PostgreSQL only); on
-        SQLite in the calling thread at the loop's next turn, grouped with the loop's other writes,
-        when the writer connection is free (``write_soon``), else on the writer thread."""
-        if isinstance(worker, SqliteThreadWorker):
-            if write:
-                soon = worker.write_soon(unit)
-                if soon is not None:
-                    done, value = await _outcome(soon)
-                    if done:
-                        return value  # type: ignore[no-any-return]
-                    unit = _replaying(unit, value)
-            else:
-                done, result = worker.read_inline(unit)
-                if done:
-                    # Still a suspension point, as when the unit went to the I/O thread: a caller
-                    # that polls in a loop must not starve the other tasks of its event loop.
-                    await asyncio.sleep(0)
-                    return result  # type: ignore[return-value]
-        if isinstance(worker, AsyncLoopWorker) and write and isinstance(unit, BatchUnit):
-            return await self._submit_batchable(worker, unit, autocommit=autocommit)
-        if isinstance(worker, AsyncLoopWorker) and (not write or autocommit):
-            return await _outcome(
-                self._start(worker, unit, write=write, autocommit=not snapshot, snapshot=snapshot)
-            )
-        return await _outcome(self._start(worker, unit, write=write))
+        """Run ``unit`` on the executor in one transaction (``snapshot``: a read that must see one
+        snapshot across its statements) and wait for its result, cancellation-safe."""
+        fut = worker.submit(unit, write=write, deadline_s=self.connect_deadline_seconds, snapshot=snapshot)
+        if fut.done():  # a read that ran in this thread (SQLite): still a suspension point
+            await asyncio.sleep(0)
+        return await _outcome(asyncio.wrap_future(fut))
 
-    def _start(
-        self, worker: IoWorker, unit: Any, *, write: bool, autocommit: bool = False, snapshot: bool = False
-    ) -> asyncio.Future[Any]:
-        """Start ``unit`` on ``worker``: in the calling loop when it is the worker's home loop
-        (PostgreSQL, ``AsyncLoopWorker.run_here``), else on the I/O thread; a future of the caller's
-        loop either way."""
-        deadline = self.connect_deadline_seconds
-        if isinstance(worker, AsyncLoopWorker):
-            here = worker.run_here(unit, write=write, deadline_s=deadline, autocommit=autocommit, snapshot=snapshot)
-            if here is not None:
-                return here
-            return _relay(worker.submit(unit, write=write, deadline_s=deadline, autocommit=autocommit, snapshot=snapshot))
-        return _relay(worker.submit(unit, write=write, deadline_s=deadline))
-
-    async def _submit_batchable(self, worker: AsyncLoopWorker, unit: BatchUnit[T], *, autocommit: bool) -> T:
-        """A batchable write unit on the I/O loop (PostgreSQL, aiosqlite): the units of its key that
-        this event loop's tasks submit until its next turn run as ONE unit, in one transaction, each
-        caller getting its own result (the SQLite writer does the same in its group commits), or
-        without a transaction when the batch is one statement (``BatchUnit.atomic``; one that
-        raises ``NeedsTransaction`` runs again in a transaction).  A unit alone runs as it came
-        (``autocommit`` as asked).  When the batch fails with an error of its own, its transaction
-        committed nothing and the units run alone, one after the other, each for its own outcome
-        (after a batch without a transaction, as replays: its statement may have committed before
-        the error); an unavailable or refused database fails them all.  A batch
-        holds ``BatchUnit.max_batch`` units at most (when set): the units past it start another
-        batch of the same turn, which runs beside it on another connection."""
-        loop = asyncio.get_running_loop()
-        key = (loop, unit.key)
-        fut: asyncio.Future[T] = loop.create_future()
-        pending = worker.batches.get(key)
-        if pending is not None and unit.max_batch and len(pending) >= unit.max_batch:
-            del worker.batches[key]  # full: it runs as it is, at its flush
-            pending = None
-        if pending is None:
-            drop_closed_loops(worker.batches, operator.itemgetter(0))
-            pending = worker.batches[key] = []
-            loop.call_soon(self._flush_batch, worker, key, pending)
-        pending.append((unit, fut, autocommit))
-        return await _outcome(fut)
-
-    def _flush_batch(
-        self, worker: AsyncLoopWorker, key: Any, items: list[tuple[BatchUnit[Any], asyncio.Future[Any], bool]]
-    ) -> None:
-        if worker.batches.get(key) is items:
-            del worker.batches[key]
-
-        def alone(index: int, replay: int = 0) -> None:
-            """The units from ``index`` on, one after the other (in their order, as a batch runs
-            them), each as it came; ``replay``: each sees ``ctx.attempt`` at least that (the batch
-            may have committed: ``_replaying``)."""
-            if index < len(items):
-                unit, fut, autocommit = items[index]
-                done = self._start(worker, _replaying(unit, replay), write=True, autocommit=autocommit)
-                _settle(done, fut)
-                done.add_done_callback(lambda _done: alone(index + 1, replay))
-
-        units = [unit for unit, _fut, _autocommit in items]
-        one = len(items) == 1
-
-        def start(autocommit: bool, replay: int = 0) -> None:
-            combined = self._start(
-                worker,
-                _replaying(lambda ctx: units[0].run_batch(ctx, [unit.args for unit in units]), replay),
-                write=True,
-                autocommit=autocommit,
-            )
-            combined.add_done_callback(lambda done: settle(done, autocommit))
-
-        def settle(done: asyncio.Future[list[Any]], autocommit: bool) -> None:
-            if done.cancelled():
-                for _unit, fut, _autocommit in items:
-                    fut.cancel()
-                return
-            exc = done.exception()
-            if isinstance(exc, NeedsTransaction) and autocommit:
-                start(False)  # it wrote nothing: the same batch in a transaction
-            elif exc is None:
-                worker.batched_units += len(items)
-                for (_unit, fut, _autocommit), result in zip(items, done.result(), strict=True):
-                    if not fut.done():
-                        fut.set_result(result)
-            elif isinstance(exc, (StoreUnavailableError, PermissionError)):
-                for _unit, fut, _autocommit in items:
-                    if not fut.done():
-                        fut.set_exception(exc)
-            elif not autocommit:  # the batch's own error: its transaction committed nothing
-                alone(0)
-            else:  # its one statement committed nothing, unless the error came after it: replays
-                alone(0, replay=1)
-
-        def settle_direct(done: asyncio.Future[list[Any] | None], planned: Planned[Any]) -> None:
-            """The outcome of a direct write (``_HomeEngine.write``), or the unit's path where it
-            has none: not sent, the batch (or the unit alone) runs as a unit; sent and failed
-            (it may have committed), as a replay; ``NeedsTransaction``, in a transaction."""
-            if done.cancelled():
-                for _unit, fut, _autocommit in items:
-                    fut.cancel()
-                return
-            if done.exception() is not None:
-                alone(0, replay=1) if one else start(True, replay=1)
-                return
-            rows = done.result()
-            if rows is None:
-                alone(0) if one else start(True)
-                return
-            events: set[tuple[int, str]] = set()
-            try:
-                results = planned.results(rows, events)
-            except Exception as exc:  # noqa: BLE001 - the unit's own outcome, as its unit gives it
-                if one:
-                    if not items[0][1].done():
-                        items[0][1].set_exception(exc)
-                elif isinstance(exc, NeedsTransaction):
-                    start(False)  # it wrote nothing: the same batch in a transaction
-                else:  # the batch's own error, its statement atomic: each unit alone, for its own
-                    alone(0, replay=1)
-                return
-            for run_id, _kind in events:
-                worker.hub.wake(run_id)
-            if not one:
-                worker.batched_units += len(items)
-            for (_unit, fut, _autocommit), result in zip(items, results, strict=True):
-                if not fut.done():
-                    fut.set_result(result)
-
-        # A batch (or a unit alone) that is one statement without a transaction runs as a coroutine
-        # on the home engine's kept connections when it can (ADR 0005 decision 15).
-        if units[0].plan is not None and (items[0][2] if one else units[0].atomic):
-            home = worker.direct_writes_here()
-            planned = units[0].plan([unit.args for unit in units]) if home is not None else None
-            if home is not None and planned is not None:
-                written = asyncio.get_running_loop().create_task(home.write(planned.stmt, planned.params))
-                worker.hold(written)
-                written.add_done_callback(lambda done: settle_direct(done, planned))
-                return
-        if one:
-            alone(0)
-        else:
-            start(units[0].atomic)
-
-    async def _prepare(self, *, needs_run: bool = True) -> tuple[IoWorker, int | None]:
+    async def _prepare(self, *, needs_run: bool = True) -> tuple[Executor, int | None]:
         worker = self._attach()
-        if worker._schema_ready is None:
+        if worker.schema_ready is None:
             await self._submit(worker, SchemaUnit(self._auto_migrate, self.read_only), write=True)
         if self._clock_sync:
             await self._sync_clock(worker)
@@ -628,67 +344,16 @@ class StoreInstance:
         *,
         write: bool,
         sweeps: bool = False,
-        autocommit: bool = False,
-        direct: Callable[[int], tuple[Any, dict[str, Any], Callable[[list[Any]], T]]] | None = None,
     ) -> T:
-        """Run one unit for the bound run; ``unit(ctx, run_id, now)``.  ``autocommit``: a write unit
-        whose statements are each atomic and replay-safe on their own (PostgreSQL runs it without a
-        transaction; see ``AsyncLoopWorker``).  ``direct``: a read unit that is ONE prebuilt
-        statement, as ``direct(run_id) -> (statement, parameters, result from its rows)``; on the
-        home loop of a PostgreSQL worker it runs as a coroutine on the home engine's kept connection
-        (``_HomeEngine.read``), and through ``unit`` whenever that does not run it."""
+        """Run one unit for the bound run: ``unit(ctx, run_id, now)``, after a due lazy sweep."""
         if write:
             self._check_writable(method)
         worker, run_id = await self._prepare()
         assert run_id is not None
         if sweeps:
             await self._maybe_sweep(worker, run_id)
-        if direct is not None and not write and isinstance(worker, AsyncLoopWorker):
-            home = worker.direct_reads_here()
-            if home is not None:
-                stmt, params, result = direct(run_id)
-                # Awaited in the caller's task (no task or shield of its own: two loop turns
-                # less); a caller cancelled mid-read makes the read give up the kept connection.
-                rows = await home.read(stmt, params)
-                if rows is not None:
-                    return result(rows)
         now = self.now()
-        return await self._submit(worker, lambda ctx: unit(ctx, run_id, now), write=write, autocommit=autocommit)
-
-    async def _call_batchable(
-        self,
-        method: str,
-        run_batch: Callable[[UnitContext, int, list[Any]], list[T]],
-        args: Any,
-        *,
-        sweeps: bool = False,
-        autocommit: bool = False,
-        atomic_batch: bool = False,
-        max_batch: int = 0,
-        plan: Callable[[int, list[Any]], Planned[T] | None] | None = None,
-    ) -> T:
-        """``_call`` of a write unit that may run together with the units of the same ``run_batch``
-        and run issued in the same turn of the caller's event loop (``engine.BatchUnit``):
-        ``run_batch(ctx, run_id, [(now, args), ...])`` returns each call's result, what the calls
-        would return run one after the other in that order; a call alone is a batch of one.
-        ``autocommit``: a call alone may run without a transaction (PostgreSQL); ``atomic_batch``:
-        a batch too (it is one statement); ``max_batch``: ``BatchUnit``'s; ``plan(run_id, [(now,
-        args), ...])``: the batch as one statement (``BatchUnit.plan``), what ``run_batch`` runs
-        on a first try without a transaction, or None."""
-        self._check_writable(method)
-        worker, run_id = await self._prepare()
-        assert run_id is not None
-        if sweeps:
-            await self._maybe_sweep(worker, run_id)
-        # Units batch with those of the same function and run (dequeue_rollout's with dequeue_many_rollouts').
-        bound = self._batch_calls.get((run_batch, run_id, plan))
-        if bound is None:
-            if len(self._batch_calls) >= _BATCH_CALLS_KEPT:
-                self._batch_calls.clear()
-            bound = self._batch_calls[(run_batch, run_id, plan)] = _bind_batch(run_batch, run_id, plan)
-        key, run, planned = bound
-        unit = BatchUnit(key, (self.now(), args), run, atomic=atomic_batch, max_batch=max_batch, plan=planned)
-        return await self._submit(worker, unit, write=True, autocommit=autocommit)
+        return await self._submit(worker, lambda ctx: unit(ctx, run_id, now), write=write)
 
     def _sweep_due(self) -> bool:
         if self.read_only:
@@ -711,7 +376,7 @@ class StoreInstance:
         assert run_id is not None
         await self._maybe_sweep(worker, run_id)
 
-    async def _maybe_sweep(self, worker: IoWorker, run_id: int) -> None:
+    async def _maybe_sweep(self, worker: Executor, run_id: int) -> None:
         if not self._sweep_due():
             return
         try:
@@ -763,13 +428,13 @@ class StoreInstance:
         target = None if all_runs else run_id
         return await self._submit(worker, lambda ctx: sweeper.expire_leases(ctx, target, now), write=True)
 
-    def _register_wait(self, worker: IoWorker, run_id: int) -> tuple[tuple[asyncio.AbstractEventLoop, asyncio.Event], int]:
+    def _register_wait(self, worker: Executor, run_id: int) -> tuple[WaitEntry, int]:
         entry = worker.hub.register(run_id)
         with self._attach_lock:
             self._waits.add(entry)
             return entry, self._close_count
 
-    def _unregister_wait(self, worker: IoWorker, run_id: int, entry: tuple[asyncio.AbstractEventLoop, asyncio.Event]) -> None:
+    def _unregister_wait(self, worker: Executor, run_id: int, entry: WaitEntry) -> None:
         worker.hub.unregister(run_id, entry)
         with self._attach_lock:
             self._waits.discard(entry)
@@ -787,14 +452,9 @@ class StoreInstance:
             self._close_count += 1
             waits = list(self._waits)
         for loop, event in waits:  # release this instance's waiters: they wake and end
-            try:
-                loop.call_soon_threadsafe(event.set)
-            except RuntimeError:  # the waiter's loop is closed
-                pass
+            call_soon_threadsafe(loop, event.set)
         if worker is not None and worker.pid == os.getpid():
-            if isinstance(worker, AsyncLoopWorker):
-                await worker.release_home()  # the last holder, on the home loop: close it politely
-            release_worker(worker)
+            release_executor(worker)
 
     async def __aenter__(self) -> Self:
         return self

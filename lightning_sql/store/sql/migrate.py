@@ -1,6 +1,6 @@
 """Programmatic Alembic: create, upgrade, downgrade, check and guard the lightning_sql schema.
 
-DESIGN §6 and store-contract §4 (``auto_migrate``, ``read_only``, ``schema``).  Every function takes
+docs/architecture.md §9 and docs/store-contract.md §4 (``auto_migrate``, ``read_only``, ``schema``).  Every function takes
 a sync :class:`~sqlalchemy.engine.Connection` that is already inside the caller's transaction (on
 PostgreSQL typically the facade that ``AsyncConnection.run_sync`` hands over); nothing here commits,
 rolls back or closes it, and Alembic is configured without logging setup (no ``fileConfig``).
@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 HEAD_REVISION = "0004"
 
 # pg_advisory_xact_lock key serialising migrations database-wide: 0x6C73716C6D696772, the ASCII
-# bytes of "lsqlmigr" (store-contract §4).
+# bytes of "lsqlmigr" (docs/store-contract.md §4).
 MIGRATION_LOCK_KEY = 7814714488923973490
 
 # One-row table: the oldest code revision that may use this database (see the module docstring).
@@ -88,6 +88,44 @@ def current_revision(conn: Connection, schema: str | None) -> str | None:
     """Return the revision recorded in the version table, or ``None`` for an empty database."""
     _check_schema_argument(conn, schema)
     return _read_state(conn, schema).revision
+
+
+@dataclass(frozen=True)
+class SchemaStatus:
+    """Where a database's schema stands against this code (:func:`schema_status`)."""
+
+    revision: str | None  # None: no lightning_sql schema yet
+    state: str  # "empty", "behind", "up to date", "newer, compatible" or "newer, incompatible"
+    min_code_revision: str | None = None  # for a newer schema: the oldest code revision that may use it
+
+    @property
+    def is_newer(self) -> bool:
+        return self.state.startswith("newer")
+
+    def describe(self) -> str:
+        """One sentence for a newer schema: compatible or not, and that lightning_sql is what to upgrade."""
+        newer = f"this database is at schema revision {self.revision}, newer than this code's {HEAD_REVISION}"
+        if self.state == "newer, compatible":
+            return f"{newer}; it is compatible with this code (upgrade lightning_sql to use what {self.revision} adds)"
+        needed = self.min_code_revision or self.revision
+        return f"{newer}; it needs code that knows revision {needed}: upgrade lightning_sql on this host"
+
+
+def schema_status(conn: Connection, schema: str | None) -> SchemaStatus:
+    """Compare the database's revision with this code's: empty, behind, up to date, or newer."""
+    _check_schema_argument(conn, schema)
+    state = _read_state(conn, schema)
+    if state.revision is None:
+        return SchemaStatus(None, "empty")
+    if state.revision == HEAD_REVISION:
+        return SchemaStatus(state.revision, "up to date")
+    known = _known_revisions()
+    if state.revision in known:
+        return SchemaStatus(state.revision, "behind")
+    compatible = state.min_code_revision is not None and state.min_code_revision in known
+    return SchemaStatus(
+        state.revision, "newer, compatible" if compatible else "newer, incompatible", state.min_code_revision
+    )
 
 
 def ensure_schema(

@@ -4,7 +4,7 @@ as many rows as it held when it was last analysed (ADR 0006).
 Without statistics PostgreSQL takes ``run_id = <the run>`` to match a few rows whatever the table
 holds, and a prepared statement keeps the plan made from that belief for the connection's life: a
 claim, a span batch, a lock on one rollout then scan every row of the run, and each call costs more
-as the run grows (docs/performance.md, fourteenth pass).  Autovacuum analyses a table after
+as the run grows.  Autovacuum analyses a table after
 changes of 10% of it, once a minute, when it is on; this does the same for the tables a store
 writes, from the lazy sweep, when a table has changed by as many rows as it held at its last
 analysis (1,000 at least), so a table is analysed O(log n) times while it grows to n rows.
@@ -19,13 +19,13 @@ from typing import Any
 from sqlalchemy import func, select, text
 
 from lightning_sql.store.sql import schema as s
-from lightning_sql.store.sql.engine import UnitContext
+from lightning_sql.store.sql.executor import UnitContext
 
 # A table is analysed once it has changed by max(MIN_CHANGES, rows at the last analysis) rows.
 MIN_CHANGES = 1000
 # The tables whose plans depend on how many rows a run holds, and the columns analysed (None: all).
-# The spans' JSON columns are left out: no statement of the store filters on them, and with them an
-# ANALYZE of 100,000 spans took 560-960 ms here, without them 342-394 ms (fourteenth pass).
+# The spans' JSON columns are left out: no statement of the store filters on them, and sampling them
+# is most of an ANALYZE's cost.
 RUN_TABLES: dict[str, tuple[str, ...] | None] = {
     "attempts": None,
     "rollouts": None,

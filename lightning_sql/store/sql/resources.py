@@ -1,4 +1,4 @@
-"""Units of work for resources and their append-only history (contract §2.13)."""
+"""Units of work for resources and their append-only history (docs/store-contract.md §2.13)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from sqlalchemy import bindparam, select
 
 from lightning_sql.store.sql import dialect as d
 from lightning_sql.store.sql import schema as s
-from lightning_sql.store.sql.engine import EncodedJson, UnitContext
+from lightning_sql.store.sql.executor import EncodedJson, UnitContext
 from lightning_sql.store.sql.rows import resources_from_row
 from lightning_sql.types import ResourcesUpdate
 

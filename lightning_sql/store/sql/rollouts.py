@@ -1,13 +1,13 @@
-"""Units of work for rollouts, the queue, claims and attempts (contract §2.1-§2.8, §2.11).
+"""Units of work for rollouts, the queue, claims and attempts (docs/store-contract.md §2.1-§2.8, §2.11).
 
 Every function here is one unit: sync SQLAlchemy Core over ``ctx.conn`` inside the transaction the
 I/O worker opened.  Ids and *now* are decided by the caller before the first try, so a replay after
-a lost commit finds its own rows instead of acting twice (contract §0.3).
+a lost commit finds its own rows instead of acting twice (docs/store-contract.md §0.3).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,17 +16,16 @@ from sqlalchemy import ColumnElement, bindparam, func, select, update
 from lightning_sql.store.sql import dialect as d
 from lightning_sql.store.sql import filters as f
 from lightning_sql.store.sql import schema as s
-from lightning_sql.store.sql.engine import EncodedJson, NeedsTransaction, Planned, UnitContext
+from lightning_sql.store.sql.executor import EncodedJson, UnitContext
 from lightning_sql.store.sql.rows import (
     ROLLOUT_COLUMNS,
     attempt_from_row,
     attempted,
     config_copy,
-    construct,
     rollout_from_row,
 )
-from lightning_sql.store.sql.statements import cached, prebuilt
-from lightning_sql.store.sql.workers import idle_on_empty_queue, sync_worker, worker_following, write_worker
+from lightning_sql.store.sql.statements import cached
+from lightning_sql.store.sql.workers import sync_worker
 from lightning_sql.types import (
     FINISHED_STATUSES,
     QUEUED_STATUSES,
@@ -37,7 +36,6 @@ from lightning_sql.types import (
     RolloutConfig,
     RolloutMode,
     is_storable_text,
-    rollout_status_from_attempt,
 )
 
 R = s.rollouts
@@ -119,7 +117,7 @@ def _resolve_resources(ctx: UnitContext, run_id: int, items: Sequence[NewRollout
     return out
 
 
-def _fetch_rollouts(ctx: UnitContext, run_id: int, where: Any) -> list[Any]:
+def fetch_rollouts(ctx: UnitContext, run_id: int, where: Any) -> list[Any]:
     return list(ctx.execute(select(*ROLLOUT_COLUMNS).where(R.c.run_id == run_id, where)).all())
 
 
@@ -239,9 +237,9 @@ def start_rollout(
     ctx: UnitContext, run_id: int, now: float, item: NewRollout, attempt_id: str, worker_id: str | None
 ) -> AttemptedRollout:
     """Create a rollout with its first attempt, both ``preparing``, outside the queue."""
-    existing = _fetch_rollouts(ctx, run_id, R.c.rollout_id == item.rollout_id)
+    existing = fetch_rollouts(ctx, run_id, R.c.rollout_id == item.rollout_id)
     if existing:  # replay after a lost commit
-        attempt = _attempt(ctx, run_id, item.rollout_id, attempt_id)
+        attempt = find_attempt(ctx, run_id, item.rollout_id, attempt_id)
         assert attempt is not None
         result = attempted(existing[0], attempt)
         assert isinstance(result, AttemptedRollout)
@@ -307,292 +305,26 @@ def start_rollout(
     )
 
 
-def _attempt(ctx: UnitContext, run_id: int, rollout_id: str, attempt_id: str) -> Attempt | None:
+_ROLLOUT_ROW = select(*ROLLOUT_COLUMNS, R.c.attempt_count, R.c.queue_seq).where(
+    R.c.run_id == bindparam("r_run_id"), R.c.rollout_id == bindparam("r_rollout_id")
+)
+ATTEMPT_BY_ID = select(A).where(
+    A.c.run_id == bindparam("r_run_id"),
+    A.c.rollout_id == bindparam("r_rollout_id"),
+    A.c.attempt_id == bindparam("r_attempt_id"),
+)
+ATTEMPT_BY_SEQ = select(A).where(
+    A.c.run_id == bindparam("r_run_id"),
+    A.c.rollout_id == bindparam("r_rollout_id"),
+    A.c.sequence_id == bindparam("r_sequence_id"),
+)
+
+
+def find_attempt(ctx: UnitContext, run_id: int, rollout_id: str, attempt_id: str) -> Attempt | None:
     row = ctx.execute(
-        _ATTEMPT_BY_ID, {"r_run_id": run_id, "r_rollout_id": rollout_id, "r_attempt_id": attempt_id}
+        ATTEMPT_BY_ID, {"r_run_id": run_id, "r_rollout_id": rollout_id, "r_attempt_id": attempt_id}
     ).first()
     return attempt_from_row(row) if row is not None else None
-
-
-def claim(
-    ctx: UnitContext, run_id: int, now: float, attempt_ids: Sequence[str], worker_id: str | None
-) -> list[AttemptedRollout]:
-    """Claim up to ``len(attempt_ids)`` queued rollouts in queue order.
-
-    Every statement here is atomic and replay-safe on its own, so PostgreSQL runs this unit without
-    a transaction (``autocommit``, see ``AsyncLoopWorker``): there the claim is one statement
-    (rollouts, attempts and the worker row), an empty queue's idle marking another, and a replay
-    first looks for its own attempts.  SQLite runs it in one transaction, as every write."""
-    limit = len(attempt_ids)
-    out: list[AttemptedRollout] = []
-    synced = False  # the claim statement itself synced the worker (PostgreSQL)
-    if limit > 0:
-        # Only a replay can find its own attempts (the ids are fresh per call): skip the look-up on
-        # the first try.
-        out = _replayed_claim(ctx, run_id, attempt_ids) if ctx.attempt > 0 else []
-        if not out:
-            out, synced = _claim_fresh(ctx, run_id, now, attempt_ids, worker_id)
-    write = None if out and synced else _worker_write(ctx, run_id, now, worker_id, out)
-    if write is not None:
-        write.execute(ctx)
-    return out
-
-
-def _worker_write(
-    ctx: UnitContext, run_id: int, now: float, worker_id: str | None, claimed: list[AttemptedRollout]
-) -> d.Write | None:
-    """The write of a claim to its worker's row: busy on the last rollout claimed, or idle when none."""
-    if claimed and worker_id:  # upstream's worker sync skips a falsy id...
-        last = claimed[-1]
-        rid, aid = last.rollout_id, last.attempt.attempt_id
-        return sync_worker(ctx, run_id, now, worker_id, "preparing", rid, aid, claim=True)
-    if not claimed and worker_id is not None:  # ...but its empty-queue idle marking does not
-        return idle_on_empty_queue(ctx, run_id, now, worker_id)
-    return None
-
-
-def claim_batch(
-    ctx: UnitContext, run_id: int, calls: Sequence[tuple[float, tuple[Sequence[str], str | None]]]
-) -> list[list[AttemptedRollout]]:
-    """``claim`` for several calls ``(now, (attempt_ids, worker_id))`` at once, each call's claimed
-    rollouts: what ``claim`` gives each call run right after the calls before it (its share of the
-    next rollouts in queue order, its attempts started at its ``now``, its worker's row synced or
-    marked idle).  It is ONE claim of all their rollouts (SQLite: one pick and mark, one insert of
-    the attempts; PostgreSQL: one statement), then the workers' rows in call order.  One call, and
-    a replay (which looks for its own attempts first): ``claim`` per call."""
-    if len(calls) == 1 or ctx.attempt > 0:
-        return [claim(ctx, run_id, now, attempt_ids, worker_id) for now, (attempt_ids, worker_id) in calls]
-    if ctx.autocommit:  # PostgreSQL, a batch without a transaction (SqlLightningStore._dequeue)
-        return _claim_many_postgres(ctx, run_id, calls, with_workers=True)
-    if ctx.dialect == "postgresql":
-        out = _claim_many_postgres(ctx, run_id, calls)
-    else:
-        out = _claim_many_sqlite(ctx, run_id, calls)
-    writes = [
-        _worker_write(ctx, run_id, now, worker_id, claimed)
-        for (now, (_ids, worker_id)), claimed in zip(calls, out, strict=True)
-    ]
-    d.run_in_order(ctx, [write for write in writes if write is not None])
-    return out
-
-
-def _claim_many_sqlite(
-    ctx: UnitContext, run_id: int, calls: Sequence[tuple[float, tuple[Sequence[str], str | None]]]
-) -> list[list[AttemptedRollout]]:
-    """SQLite (writers serialised, no locks): the rollouts and attempts of one claim or of several
-    calls' claims, without the worker rows: one rollout is picked and marked by one statement,
-    several by a pick and a mark; their attempts are one insert."""
-    total = sum(len(attempt_ids) for _now, (attempt_ids, _worker_id) in calls)
-    if total == 1:
-        rows = ctx.execute(cached(("claim_next", ctx.dialect), _claim_next), {"c_run_id": run_id}).all()
-        ids = [row.rollout_id for row in rows]
-    else:
-        ids, rows = _pick_and_mark(ctx, run_id, total) if total else ([], [])
-    by_id = {row.rollout_id: row for row in rows}
-    picked = iter(ids)
-    out: list[list[AttemptedRollout]] = []
-    attempt_rows = []
-    for now, (attempt_ids, worker_id) in calls:
-        claimed = []
-        for aid, rid in zip(attempt_ids, picked, strict=False):  # attempt ids first: zip takes no extra id
-            row = by_id[rid]
-            attempt_rows.append(_attempt_row(run_id, rid, aid, row.attempt_count, worker_id, now))
-            claimed.append(_attempted_claim(row, aid, now, worker_id))
-        out.append(claimed)
-    if attempt_rows:
-        ctx.execute(cached("attempt_insert", A.insert), attempt_rows)
-    return out
-
-
-def _claim_many_postgres(
-    ctx: UnitContext,
-    run_id: int,
-    calls: Sequence[tuple[float, tuple[Sequence[str], str | None]]],
-    *,
-    with_workers: bool = False,
-) -> list[list[AttemptedRollout]]:
-    """The claim of several calls' rollouts in one statement; ``with_workers``: with the calls'
-    worker rows (``dialect.ClaimingCall``), else the caller writes them."""
-    workers: list[d.ClaimingCall] | None = None
-    if with_workers:
-        workers = _claiming_calls(calls)
-        if workers is None:
-            # Two calls of one worker write its row in call order: the transaction does that.
-            raise NeedsTransaction()
-    elif not any(ids for _now, (ids, _worker_id) in calls):
-        return [[] for _call in calls]
-    stmt, params = _claim_many_statement(run_id, calls, workers)
-    return _claims_of_calls(calls, ctx.execute(stmt, params).all())
-
-
-def plan_claims(
-    run_id: int, calls: Sequence[tuple[float, tuple[Sequence[str], str | None]]]
-) -> Planned[list[AttemptedRollout]] | None:
-    """PostgreSQL: ``claim_batch`` on a first try without a transaction as ONE statement
-    (``BatchUnit.plan``): the calls' claim with their worker rows (``_claim_many_postgres``), for a
-    call alone too (what ``claim``'s one or two statements do: the worker busy on its last claimed
-    rollout, or idle when it claimed none).  None when two calls share a worker (their rows are
-    written in call order, in a transaction) or a call claims nothing."""
-    workers = _claiming_calls(calls)
-    if workers is None or not all(ids for _now, (ids, _worker_id) in calls):
-        return None
-    stmt, params = _claim_many_statement(run_id, calls, workers)
-    return Planned(stmt, params, lambda rows, _events: _claims_of_calls(calls, rows))
-
-
-def _claiming_calls(calls: Sequence[tuple[float, tuple[Sequence[str], str | None]]]) -> list[d.ClaimingCall] | None:
-    """The calls' worker rows to write with their claim (``dialect.ClaimingCall``), or None when two
-    calls share a worker."""
-    workers = []
-    first = 1
-    for now, (ids, worker_id) in calls:
-        if worker_id is not None:
-            workers.append(d.ClaimingCall(worker_id, now, first, first + len(ids) - 1))
-        first += len(ids)
-    if len({call.worker_id for call in workers}) < len(workers):
-        return None
-    return workers
-
-
-def _claim_many_statement(
-    run_id: int,
-    calls: Sequence[tuple[float, tuple[Sequence[str], str | None]]],
-    workers: list[d.ClaimingCall] | None,
-) -> tuple[Any, dict[str, Any]]:
-    attempt_ids = [aid for _now, (ids, _worker_id) in calls for aid in ids]
-    worker_ids = [worker_id for _now, (ids, worker_id) in calls for _aid in ids]
-    nows = [now for now, (ids, _worker_id) in calls for _aid in ids]
-    return d.claim_many_statement(run_id, attempt_ids, worker_ids, nows, ROLLOUT_COLUMNS, workers)
-
-
-def _claims_of_calls(
-    calls: Sequence[tuple[float, tuple[Sequence[str], str | None]]], rows: Sequence[Any]
-) -> list[list[AttemptedRollout]]:
-    """Each call's claimed rollouts from the claim's rows (the first len(rows) attempt ids, in call order)."""
-    by_attempt = {row.attempt_id: row for row in rows}
-    return [
-        [_attempted_claim(by_attempt[aid], aid, now, worker_id) for aid in ids if aid in by_attempt]
-        for now, (ids, worker_id) in calls
-    ]
-
-
-def _attempt_row(
-    run_id: int, rollout_id: str, attempt_id: str, sequence_id: int, worker_id: str | None, now: float
-) -> dict[str, Any]:
-    """The row of a claim's fresh ``preparing`` attempt."""
-    return {
-        "run_id": run_id,
-        "rollout_id": rollout_id,
-        "attempt_id": attempt_id,
-        "sequence_id": sequence_id,
-        "status": "preparing",
-        "worker_id": worker_id,
-        "start_time": now,
-    }
-
-
-def _replayed_claim(ctx: UnitContext, run_id: int, attempt_ids: Sequence[str]) -> list[AttemptedRollout]:
-    rows = ctx.execute(
-        select(A).where(A.c.run_id == run_id, A.c.attempt_id.in_(list(attempt_ids)))
-    ).all()
-    if not rows:
-        return []
-    attempts = {row.rollout_id: attempt_from_row(row) for row in rows}
-    order = {aid: i for i, aid in enumerate(attempt_ids)}
-    result = []
-    for row in _fetch_rollouts(ctx, run_id, R.c.rollout_id.in_(sorted(attempts))):
-        ar = attempted(row, attempts[row.rollout_id])
-        assert isinstance(ar, AttemptedRollout)
-        result.append(ar)
-    result.sort(key=lambda ar: order[ar.attempt.attempt_id])
-    return result
-
-
-def _claim_fresh(
-    ctx: UnitContext, run_id: int, now: float, attempt_ids: Sequence[str], worker_id: str | None
-) -> tuple[list[AttemptedRollout], bool]:
-    """The claimed rollouts, and whether the worker row was synced with them."""
-    one_trip = d.claim_in_one_statement(ctx, run_id, now, attempt_ids, worker_id, ROLLOUT_COLUMNS)
-    if one_trip is not None:
-        return [_attempted_claim(row, row.attempt_id, now, worker_id) for row in one_trip], True
-    return _claim_many_sqlite(ctx, run_id, [(now, (attempt_ids, worker_id))])[0], False
-
-
-def _claim_next() -> Any:
-    """Mark the first rollout of the queue claimed (SQLite: writers are serialised, no lock needed)."""
-    queued = R.alias("queued")
-    first = (
-        select(queued.c.rollout_id)
-        .where(queued.c.run_id == bindparam("c_run_id"), queued.c.queue_seq.isnot(None))
-        .order_by(queued.c.queue_seq)
-        .limit(1)
-        .scalar_subquery()
-    )
-    return _mark_claimed(R.c.rollout_id == first)
-
-
-def _mark_claimed(which: ColumnElement[bool]) -> Any:
-    """UPDATE the run's rollouts ``which`` to claimed (``preparing``, out of the queue, one more
-    attempt), returning their rows with ``attempt_count``."""
-    return (
-        update(R)
-        .where(R.c.run_id == bindparam("c_run_id"), which)
-        .values(status="preparing", queue_seq=None, attempt_count=R.c.attempt_count + 1)
-        .returning(*ROLLOUT_COLUMNS, R.c.attempt_count)
-    )
-
-
-def _pick_and_mark(ctx: UnitContext, run_id: int, limit: int) -> tuple[list[str], list[Any]]:
-    """The ids of up to ``limit`` queued rollouts in queue order, and their rows once marked claimed."""
-    picked = cached(
-        ("claim_pick", ctx.dialect),
-        lambda: d.for_update(
-            ctx,
-            select(R.c.rollout_id)
-            .where(R.c.run_id == bindparam("c_run_id"), R.c.queue_seq.isnot(None))
-            .order_by(R.c.queue_seq)
-            .limit(bindparam("c_limit")),
-            skip_locked=True,
-        ),
-    )
-    ids = [row[0] for row in ctx.execute(picked, {"c_run_id": run_id, "c_limit": limit})]
-    if not ids:
-        return [], []
-    # One claimed row compares with = : an expanding IN is compiled again per call.
-    single = len(ids) == 1
-    mark = cached(
-        ("claim_mark", single),
-        lambda: _mark_claimed(
-            R.c.rollout_id == bindparam("c_id") if single else R.c.rollout_id.in_(bindparam("c_ids", expanding=True))
-        ),
-    )
-    params: dict[str, Any] = {"c_run_id": run_id}
-    if single:
-        params["c_id"] = ids[0]
-    else:
-        params["c_ids"] = ids
-    return ids, ctx.execute(mark, params).all()
-
-
-def _attempted_claim(row: Any, attempt_id: str, now: float, worker_id: str | None) -> AttemptedRollout:
-    """The claimed rollout (a row with ``attempt_count``) with its fresh ``preparing`` attempt."""
-    attempt = construct(
-        Attempt,
-        {
-            "rollout_id": row.rollout_id,
-            "attempt_id": attempt_id,
-            "sequence_id": row.attempt_count,
-            "start_time": now,
-            "end_time": None,
-            "status": "preparing",
-            "worker_id": worker_id,
-            "last_heartbeat_time": None,
-            "metadata": None,
-        },
-    )
-    ar = attempted(row, attempt)
-    assert isinstance(ar, AttemptedRollout)
-    return ar
 
 
 def lock_rollout(ctx: UnitContext, run_id: int, rollout_id: str, *, lock: bool = True) -> Any:
@@ -604,90 +336,10 @@ def lock_rollout(ctx: UnitContext, run_id: int, rollout_id: str, *, lock: bool =
     return ctx.execute(stmt, {"r_run_id": run_id, "r_rollout_id": rollout_id}).first()
 
 
-_ROLLOUT_ROW = select(*ROLLOUT_COLUMNS, R.c.attempt_count, R.c.queue_seq).where(
-    R.c.run_id == bindparam("r_run_id"), R.c.rollout_id == bindparam("r_rollout_id")
-)
-_ATTEMPT_BY_ID = select(A).where(
-    A.c.run_id == bindparam("r_run_id"),
-    A.c.rollout_id == bindparam("r_rollout_id"),
-    A.c.attempt_id == bindparam("r_attempt_id"),
-)
-_ATTEMPT_BY_SEQ = select(A).where(
-    A.c.run_id == bindparam("r_run_id"),
-    A.c.rollout_id == bindparam("r_rollout_id"),
-    A.c.sequence_id == bindparam("r_sequence_id"),
-)
-
-
-def _update_where(table: Any, keys: tuple[str, ...], cols: tuple[str, ...], prefix: str) -> Any:
-    """UPDATE table SET <cols> WHERE <keys>, with ``<prefix><name>`` placeholders."""
-    return (
-        update(table)
-        .where(*(table.c[k] == bindparam(f"{prefix}{k}") for k in keys))
-        .values({c: bindparam(f"{prefix}{c}") for c in cols})
-    )
-
-
-def _row_write(
-    table: Any, keys: dict[str, Any], values: dict[str, Any], *, prefix: str = "u_", returning: bool = False
-) -> d.Write:
-    """Writing ``values`` into the row named by ``keys``, as a prebuilt statement; with ``returning``,
-    it returns the updated row (every column)."""
-    key_names, cols = tuple(keys), tuple(values)
-    return d.Write(
-        ("update_row", table.name, key_names, cols, prefix, returning),
-        lambda: _update_where(table, key_names, cols, prefix).returning(*table.c)
-        if returning
-        else _update_where(table, key_names, cols, prefix),
-        {**{f"{prefix}{k}": v for k, v in keys.items()}, **{f"{prefix}{c}": v for c, v in values.items()}},
-    )
-
-
-def _update_row(ctx: UnitContext, table: Any, keys: dict[str, Any], values: dict[str, Any]) -> None:
-    """Write ``values`` into the row named by ``keys`` through a prebuilt statement."""
-    _row_write(table, keys, values).execute(ctx)
-
-
-def start_attempt(
-    ctx: UnitContext, run_id: int, now: float, rollout_id: str, attempt_id: str, worker_id: str | None
-) -> AttemptedRollout:
-    row = lock_rollout(ctx, run_id, rollout_id)
-    if row is None:
-        raise ValueError(f"Rollout {rollout_id} not found")
-    existing = _attempt(ctx, run_id, rollout_id, attempt_id)
-    if existing is None:
-        seq = row.attempt_count + 1
-        ctx.execute(
-            update(R)
-            .where(R.c.run_id == run_id, R.c.rollout_id == rollout_id)
-            .values(status="preparing", queue_seq=None, attempt_count=seq)
-        )
-        ctx.execute(
-            A.insert().values(
-                run_id=run_id,
-                rollout_id=rollout_id,
-                attempt_id=attempt_id,
-                sequence_id=seq,
-                status="preparing",
-                worker_id=worker_id,
-                start_time=now,
-            )
-        )
-        if worker_id:  # upstream's worker sync skips a falsy id
-            sync = sync_worker(ctx, run_id, now, worker_id, "preparing", rollout_id, attempt_id, claim=False)
-            sync.execute(ctx)
-        existing = _attempt(ctx, run_id, rollout_id, attempt_id)
-        row = lock_rollout(ctx, run_id, rollout_id)
-    assert existing is not None
-    ar = attempted(row, existing)
-    assert isinstance(ar, AttemptedRollout)
-    return ar
-
-
 def enter_or_leave_queue(
     ctx: UnitContext, run_id: int, old_status: str, new_status: str, queue_seq: Any
 ) -> dict[str, Any]:
-    """The ``queue_seq`` change for a status change (contract §2.1)."""
+    """The ``queue_seq`` change for a status change (docs/store-contract.md §2.1)."""
     was_queued = old_status in QUEUED_STATUSES
     is_queued = new_status in QUEUED_STATUSES
     if is_queued and not was_queued:
@@ -725,350 +377,8 @@ def update_rollout(
         values.update(enter_or_leave_queue(ctx, run_id, row.status, new_status, row.queue_seq))
     if values:
         ctx.execute(update(R).where(R.c.run_id == run_id, R.c.rollout_id == rollout_id).values(**values))
-    new_row = _fetch_rollouts(ctx, run_id, R.c.rollout_id == rollout_id)[0]
+    new_row = fetch_rollouts(ctx, run_id, R.c.rollout_id == rollout_id)[0]
     return rollout_from_row(new_row)
-
-
-def resolve_attempt(ctx: UnitContext, run_id: int, rollout_id: str, attempt_id: str, *, lock: bool) -> tuple[Any, Any]:
-    """(rollout row, attempt row) per the resolution order of contract §2.7, or raise its errors."""
-    if lock and (attempt_id == "latest" or is_storable_text(attempt_id)):  # both rows in one statement
-        row, attempt_row = d.lock_rollout_and_attempt(ctx, run_id, rollout_id, attempt_id, ROLLOUT_COLUMNS)
-        return _resolved(row, attempt_row, rollout_id, attempt_id)
-    row = lock_rollout(ctx, run_id, rollout_id, lock=lock)
-    if row is None:
-        raise ValueError(f"Rollout {rollout_id} not found")
-    if row.attempt_count == 0:
-        raise ValueError(f"No attempts found for rollout {rollout_id}")
-    if attempt_id != "latest" and not is_storable_text(attempt_id):
-        # A concrete id that cannot exist in the database (NUL, lone surrogate, too long): it matches
-        # nothing, reported after the rollout checks above (§2.7 resolution order).
-        raise ValueError(f"Attempt {attempt_id} not found for rollout {rollout_id}")
-    latest = attempt_id == "latest"
-    base = _ATTEMPT_BY_SEQ if latest else _ATTEMPT_BY_ID
-    stmt = cached(("attempt_row", ctx.dialect, latest, lock), lambda: d.for_update(ctx, base) if lock else base)
-    params = {"r_run_id": run_id, "r_rollout_id": rollout_id}
-    if latest:
-        params["r_sequence_id"] = row.attempt_count
-    else:
-        params["r_attempt_id"] = attempt_id
-    attempt_row = ctx.execute(stmt, params).first()
-    if attempt_row is None:
-        if attempt_id == "latest":
-            raise ValueError(f"No attempts found for rollout {rollout_id}")
-        raise ValueError(f"Attempt {attempt_id} not found for rollout {rollout_id}")
-    return row, attempt_row
-
-
-def _resolved(row: Any, attempt_row: Any, rollout_id: str, attempt_id: str) -> tuple[Any, Any]:
-    """The rows that ``dialect.lock_rollout_and_attempt`` found, or the error of §2.7 they call for."""
-    if row is None:
-        raise ValueError(f"Rollout {rollout_id} not found")
-    if row.attempt_count == 0 or (attempt_row is None and attempt_id == "latest"):
-        raise ValueError(f"No attempts found for rollout {rollout_id}")
-    if attempt_row is None:
-        raise ValueError(f"Attempt {attempt_id} not found for rollout {rollout_id}")
-    return row, attempt_row
-
-
-def update_attempt(
-    ctx: UnitContext, run_id: int, now: float, rollout_id: str, attempt_id: str, changes: dict[str, Any]
-) -> Attempt:
-    row, attempt_row = resolve_attempt(ctx, run_id, rollout_id, attempt_id, lock=True)
-    specs, worker = _attempt_writes(ctx, run_id, now, row, attempt_row, changes)
-    if not specs:
-        return attempt_from_row(attempt_row)
-    writes = [_spec_write(spec, "") for spec in specs]
-    if worker is not None:
-        writes.append(write_worker(ctx, run_id, *worker))
-    new_row = d.run_writes(ctx, writes)
-    assert new_row is not None  # locked above
-    return attempt_from_row(new_row)
-
-
-@dataclass(frozen=True)
-class _RowWrite:
-    """Writing ``values`` into the row of ``table`` named by ``keys`` (``_row_write``), before its
-    parameters are named: ``shape`` tells which statement it takes."""
-
-    table: Any
-    keys: dict[str, Any]
-    values: dict[str, Any]
-    returning: bool = False
-
-    @property
-    def shape(self) -> tuple[str, tuple[str, ...], tuple[str, ...], bool]:
-        return (self.table.name, tuple(self.keys), tuple(self.values), self.returning)
-
-
-def _spec_write(spec: _RowWrite, tag: str) -> d.Write:
-    """``spec`` as a prebuilt write whose parameters ``tag`` names apart (``ua<tag>_``: attempts)."""
-    prefix = f"u{spec.table.name[0]}{tag}_"
-    return _row_write(spec.table, spec.keys, spec.values, prefix=prefix, returning=spec.returning)
-
-
-def _attempt_writes(
-    ctx: UnitContext, run_id: int, now: float, row: Any, attempt_row: Any, changes: dict[str, Any]
-) -> tuple[list[_RowWrite], tuple[str, dict[str, Any]] | None]:
-    """The row writes of one ``update_attempt`` of the locked ``row`` and ``attempt_row`` (none
-    when nothing changes), the attempt's first (it returns the updated row), and what it writes
-    into a worker's row, ``(worker_id, values)`` or None (``workers.write_worker``)."""
-    values: dict[str, Any] = {}
-    for key in ("status", "worker_id", "last_heartbeat_time", "metadata"):
-        if key in changes:
-            values[key] = changes[key]
-    if changes.get("status") in ("failed", "succeeded"):
-        values["end_time"] = now
-    if not values:
-        return [], None
-    rollout_id, aid = row.rollout_id, attempt_row.attempt_id
-    keys = {"run_id": run_id, "rollout_id": rollout_id, "attempt_id": aid}
-    # The attempt's row, the rollout's and the worker's are written together (dialect.run_writes:
-    # one statement on PostgreSQL): what follows from the attempt's new status and worker is decided
-    # here from the locked row and the changes, not read back.
-    writes = [_RowWrite(A, keys, values, returning=True)]
-    status = values.get("status", attempt_row.status)
-    if "status" in changes and attempt_row.sequence_id == row.attempt_count and row.status != "cancelled":
-        config = RolloutConfig.model_construct(
-            timeout_seconds=row.timeout_seconds,
-            unresponsive_seconds=row.unresponsive_seconds,
-            max_attempts=row.max_attempts,
-            retry_condition=list(row.retry_condition or []),
-        )
-        new_status = rollout_status_from_attempt(status, attempt_row.sequence_id, config)
-        if new_status != row.status:
-            rvalues: dict[str, Any] = {"status": new_status}
-            if new_status in FINISHED_STATUSES:
-                rvalues["end_time"] = now
-                ctx.announce(run_id, "finished")
-            rvalues.update(enter_or_leave_queue(ctx, run_id, row.status, new_status, row.queue_seq))
-            writes.append(_RowWrite(R, {"run_id": run_id, "rollout_id": rollout_id}, rvalues))
-    wid = values["worker_id"] if "worker_id" in values else attempt_row.worker_id
-    if ("worker_id" in changes and changes["worker_id"]) or ("status" in changes and wid):
-        return writes, (wid, worker_following(now, status, rollout_id, aid, claim=False))
-    return writes, None
-
-
-# What an ``update_attempt`` may change to run as ONE statement without a transaction on PostgreSQL
-# (``fits_one_statement``): attempt statuses that the rollout's follows one to one (no retry
-# decision, no queue position to allocate), and attempt columns written as given.
-_ONE_STATEMENT_STATUSES = frozenset({"preparing", "running", "succeeded"})
-_ONE_STATEMENT_CHANGES = frozenset({"status", "last_heartbeat_time", "metadata"})
-
-
-def fits_one_statement(attempt_id: str, changes: dict[str, Any]) -> bool:
-    """Whether an ``update_attempt`` alone may run as one statement without a transaction on
-    PostgreSQL (``update_attempt_batch``): a concrete attempt id that can be stored, a status
-    change to one of ``_ONE_STATEMENT_STATUSES``, and no other change but heartbeat and metadata."""
-    return (
-        changes.get("status") in _ONE_STATEMENT_STATUSES
-        and changes.keys() <= _ONE_STATEMENT_CHANGES
-        and attempt_id != "latest"
-        and is_storable_text(attempt_id)
-    )
-
-
-def _update_attempt_in_one_statement(
-    ctx: UnitContext, run_id: int, now: float, rollout_id: str, attempt_id: str, changes: dict[str, Any]
-) -> Attempt:
-    """``update_attempt`` as ONE statement that locks and writes what ``_attempt_writes`` decides
-    (``dialect.update_attempt_statement``), for a call that ``fits_one_statement``."""
-    stmt, params, outcome = _one_update(run_id, now, rollout_id, attempt_id, changes, ctx.notify_channel)
-    events: set[tuple[int, str]] = set()
-    attempt = outcome(ctx.execute(stmt, params).all(), events)
-    _notified(ctx, events)
-    return attempt
-
-
-def _notified(ctx: UnitContext, events: set[tuple[int, str]]) -> None:
-    """Announce the events a one-statement update notified (for this process's waiters), as
-    notified already (the statement notified the other processes)."""
-    for run_id, kind in events:
-        ctx.announce(run_id, kind)
-    ctx.notified.update(events)
-
-
-def _one_update(
-    run_id: int, now: float, rollout_id: str, attempt_id: str, changes: dict[str, Any], channel: str
-) -> tuple[Any, dict[str, Any], Callable[[Sequence[Any], set[tuple[int, str]]], Attempt]]:
-    """``_update_attempt_in_one_statement``'s statement, parameters, and its outcome from the
-    statement's rows (which raises ``NeedsTransaction`` when it found nothing to write, and adds
-    ``(run_id, "finished")`` to the events when it finished the rollout)."""
-    status = changes["status"]
-    values = dict(changes)
-    rollout_values: dict[str, Any] = {"status": status}
-    if status in FINISHED_STATUSES:  # (succeeded: the attempt's end too)
-        values["end_time"] = now
-        rollout_values["end_time"] = now
-    worker = worker_following(now, status, rollout_id, attempt_id, claim=False)
-    stmt, params = d.update_attempt_statement(run_id, rollout_id, attempt_id, values, rollout_values, worker, channel)
-
-    def outcome(rows: Sequence[Any], events: set[tuple[int, str]]) -> Attempt:
-        found = d.update_attempt_outcome(rows)
-        if found is None:
-            raise NeedsTransaction(rollout_id, attempt_id)
-        row, rollout_written = found
-        if rollout_written and status in FINISHED_STATUSES:
-            events.add((run_id, "finished"))
-        return attempt_from_row(row)
-
-    return stmt, params, outcome
-
-
-def _update_attempts_in_one_statement(
-    ctx: UnitContext, run_id: int, calls: Sequence[tuple[float, tuple[str, str, dict[str, Any]]]]
-) -> list[Attempt]:
-    """A batch of ``update_attempt`` calls that each ``fits_one_statement``, of distinct rollouts, as
-    ONE statement (``dialect.update_attempts_statement``); anything else, and a batch that
-    finds a call's rollout or attempt missing or two attempts of one worker, raises
-    ``NeedsTransaction`` before it writes anything (the batch then runs in a transaction)."""
-    updates = _one_statement_updates(calls)
-    if updates is None:
-        raise NeedsTransaction()
-    stmt, params = d.update_attempts_statement(run_id, updates, ctx.notify_channel)
-    events: set[tuple[int, str]] = set()
-    attempts = _updated_attempts(run_id, updates, list(ctx.execute(stmt, params)), events)
-    _notified(ctx, events)
-    return attempts
-
-
-def _one_statement_updates(
-    calls: Sequence[tuple[float, tuple[str, str, dict[str, Any]]]],
-) -> list[d.OneStatementUpdate] | None:
-    """The calls as one statement's updates, or None when one does not ``fits_one_statement`` or
-    two are of one rollout (a later call of a rollout sees the earlier one's writes: in order)."""
-    updates = []
-    for now, (rollout_id, attempt_id, changes) in calls:
-        if not fits_one_statement(attempt_id, changes):
-            return None
-        heartbeat = ("last_heartbeat_time" in changes, changes.get("last_heartbeat_time"))
-        metadata = ("metadata" in changes, changes.get("metadata"))
-        updates.append(d.OneStatementUpdate(rollout_id, attempt_id, now, changes["status"], heartbeat, metadata))
-    if len({update.rollout_id for update in updates}) < len(updates):
-        return None
-    return updates
-
-
-def _updated_attempts(
-    run_id: int, updates: list[d.OneStatementUpdate], rows: Sequence[Any], events: set[tuple[int, str]]
-) -> list[Attempt]:
-    """Each call's attempt from the batch statement's rows; ``NeedsTransaction`` when it found a
-    rollout or an attempt missing (it wrote nothing); ``(run_id, "finished")`` added to the events
-    when it finished a rollout."""
-    found = d.update_attempts_outcome(rows, len(updates))
-    if found is None:
-        raise NeedsTransaction()
-    if any(written and update.status in FINISHED_STATUSES for update, (_row, written) in zip(updates, found, strict=True)):
-        events.add((run_id, "finished"))
-    return [attempt_from_row(row) for row, _written in found]
-
-
-def plan_attempt_updates(
-    channel: str, run_id: int, calls: Sequence[tuple[float, tuple[str, str, dict[str, Any]]]]
-) -> Planned[Attempt] | None:
-    """PostgreSQL: ``update_attempt_batch`` on a first try without a transaction as the one
-    statement it runs there (``BatchUnit.plan``), for a call alone too; None for calls it runs in a
-    transaction.  ``channel``: the NOTIFY channel of the store's schema."""
-    if len(calls) == 1:
-        ((now, (rollout_id, attempt_id, changes)),) = calls
-        if not fits_one_statement(attempt_id, changes):
-            return None
-        stmt, params, outcome = _one_update(run_id, now, rollout_id, attempt_id, changes, channel)
-        return Planned(stmt, params, lambda rows, events: [outcome(rows, events)])
-    updates = _one_statement_updates(calls)
-    if updates is None:
-        return None
-    stmt, params = d.update_attempts_statement(run_id, updates, channel)
-    return Planned(stmt, params, lambda rows, events: _updated_attempts(run_id, updates, rows, events))
-
-
-# The calls of one batch of ``update_attempt``s on the I/O loop (``BatchUnit.max_batch``): a turn's
-# further calls form another batch, on another connection. It bounds a batch's statement (three
-# CTEs per call) and the number of statements that batches of mixed shapes prepare.
-UPDATE_BATCH_MAX = 16
-
-
-def update_attempt_batch(
-    ctx: UnitContext, run_id: int, calls: Sequence[tuple[float, tuple[str, str, dict[str, Any]]]]
-) -> list[Attempt]:
-    """``update_attempt`` for several calls ``(now, (rollout_id, attempt_id, changes))`` issued in
-    the same turn of an event loop (PostgreSQL) or queued together (a SQLite group commit), in ONE
-    transaction, each call's attempt as if the calls ran one after the other in call order.
-
-    On PostgreSQL, calls of distinct rollouts whose attempt ids can be stored take two statements
-    in all: one locks every rollout and attempt, one writes them all (with their workers' rows and
-    the notifications; what several calls write into one worker's row is merged in call order).
-    Otherwise (SQLite, where a statement costs no round trip; two calls of one rollout, the second
-    of which must see the first's writes) the calls run one after the other.
-    A call's error fails the whole batch, whose calls then run alone (``_flush_batch``).
-    Without a transaction (PostgreSQL, ``ctx.autocommit``: calls that each ``fits_one_statement``)
-    the calls are ONE statement, alone or together (``_update_attempts_in_one_statement``), or
-    raise ``NeedsTransaction`` having written nothing."""
-    if ctx.autocommit:  # PostgreSQL, calls that fit one statement (SqlLightningStore.update_attempt)
-        if len(calls) == 1:
-            ((now, (rollout_id, attempt_id, changes)),) = calls
-            return [_update_attempt_in_one_statement(ctx, run_id, now, rollout_id, attempt_id, changes)]
-        return _update_attempts_in_one_statement(ctx, run_id, calls)
-    pairs = [(rollout_id, attempt_id) for _now, (rollout_id, attempt_id, _changes) in calls]
-    if (
-        ctx.dialect != "postgresql"
-        or len(calls) == 1
-        or len({rid for rid, _aid in pairs}) < len(pairs)
-        or not all(aid == "latest" or is_storable_text(aid) for _rid, aid in pairs)
-    ):
-        return _update_attempts_in_order(ctx, run_id, calls)
-    found = d.lock_rollouts_and_attempts(ctx, run_id, pairs, ROLLOUT_COLUMNS)
-    planned: list[tuple[Any, list[_RowWrite]]] = []  # each call's locked attempt row and row writes
-    workers: dict[str, dict[str, Any]] = {}  # what the calls write into each worker's row, merged
-    for now, (rollout_id, attempt_id, changes) in calls:
-        row, attempt_row = _resolved(*found.get(rollout_id, (None, None)), rollout_id, attempt_id)
-        specs, worker = _attempt_writes(ctx, run_id, now, row, attempt_row, changes)
-        if worker is not None:
-            wid, values = worker
-            workers.setdefault(wid, {}).update(values)  # a later call's columns win, as in order
-        planned.append((attempt_row, specs))
-    if not any(specs for _row, specs in planned):  # (a call that writes a worker writes its attempt)
-        return [attempt_from_row(attempt_row) for attempt_row, _specs in planned]
-    # The writes go into the statement sorted by their shapes, so that it depends on which shapes
-    # the batch holds and how many of each, not on the calls' order (fewer statements to prepare).
-    writes: list[d.Write] = []
-    rows_of: list[int] = []
-    for tag, (_row, specs) in enumerate(sorted((p for p in planned if p[1]), key=lambda p: [w.shape for w in p[1]])):
-        rows_of.append(len(writes))
-        writes.extend(_spec_write(spec, str(tag)) for spec in specs)
-    ordered = sorted(workers.items(), key=lambda item: tuple(item[1]))
-    writes.extend(write_worker(ctx, run_id, wid, values, f"w{tag}_") for tag, (wid, values) in enumerate(ordered))
-    written = {row.rollout_id: row for row in d.run_writes_rows(ctx, writes, rows_of)}
-    return [
-        attempt_from_row(written[attempt_row.rollout_id] if specs else attempt_row)
-        for attempt_row, specs in planned
-    ]
-
-
-def _update_attempts_in_order(
-    ctx: UnitContext, run_id: int, calls: Sequence[tuple[float, tuple[str, str, dict[str, Any]]]]
-) -> list[Attempt]:
-    return [
-        update_attempt(ctx, run_id, now, rollout_id, attempt_id, changes)
-        for now, (rollout_id, attempt_id, changes) in calls
-    ]
-
-
-def touch_attempt(ctx: UnitContext, run_id: int, now: float, rollout_id: str, attempt_id: str) -> Attempt:
-    # Lock order (§2.17): the rollout row first, so a concurrent sweep either skips this rollout or has
-    # committed its verdict before the heartbeat lands (never judges a heartbeat it did not see).
-    _row, attempt_row = resolve_attempt(ctx, run_id, rollout_id, attempt_id, lock=True)
-    _update_row(
-        ctx,
-        A,
-        {"run_id": run_id, "rollout_id": rollout_id, "attempt_id": attempt_row.attempt_id},
-        {"last_heartbeat_time": now},
-    )
-    attempt = attempt_from_row(attempt_row)
-    attempt.last_heartbeat_time = now
-    return attempt
-
-
-# --- reads --------------------------------------------------------------------------------------
 
 
 def latest_attempts(ctx: UnitContext, run_id: int, rows: Sequence[Any]) -> dict[str, Attempt]:
@@ -1079,7 +389,7 @@ def latest_attempts(ctx: UnitContext, run_id: int, rows: Sequence[Any]) -> dict[
     out: dict[str, Attempt] = {}
     if len(pairs) == 1:
         ((rid, seq),) = pairs
-        arow = ctx.execute(_ATTEMPT_BY_SEQ, {"r_run_id": run_id, "r_rollout_id": rid, "r_sequence_id": seq}).first()
+        arow = ctx.execute(ATTEMPT_BY_SEQ, {"r_run_id": run_id, "r_rollout_id": rid, "r_sequence_id": seq}).first()
         if arow is not None:
             out[arow.rollout_id] = attempt_from_row(arow)
         return out
@@ -1219,18 +529,3 @@ def has_queued(ctx: UnitContext, run_id: int) -> bool:
         select(R.c.queue_seq).where(R.c.run_id == run_id, R.c.queue_seq.isnot(None)).limit(1)
     ).first()
     return row is not None
-
-
-
-for _stmt in (
-    _LATEST_RESOURCES,
-    _RESOURCE_VERSION,
-    _RESOURCE_VERSIONS,
-    _ROLLOUTS_BY_ID,
-    _ROLLOUTS_BY_KEY,
-    _ROLLOUT_ROW,
-    _ATTEMPT_BY_ID,
-    _ATTEMPT_BY_SEQ,
-    _ROLLOUT_WITH_COUNT,
-):
-    prebuilt(_stmt)

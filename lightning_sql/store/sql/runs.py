@@ -1,4 +1,4 @@
-"""Units of work for runs (contract §0.1, §4): create-or-resume, list, finish, delete in batches."""
+"""Units of work for runs (docs/store-contract.md §0.1, §4): create-or-resume, list, finish, delete in batches."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from sqlalchemy import bindparam, delete, func, select, update
 
 from lightning_sql.store.sql import dialect as d
 from lightning_sql.store.sql import schema as s
-from lightning_sql.store.sql.engine import EncodedJson, UnitContext
+from lightning_sql.store.sql.executor import EncodedJson, UnitContext
 from lightning_sql.store.sql.rows import run_from_row
 from lightning_sql.types import Run
 
@@ -51,6 +51,11 @@ def run_id_of(ctx: UnitContext, name: str) -> int | None:
 
 def mark_finished(ctx: UnitContext, run_id: int, now: float) -> Run:
     ctx.execute(update(s.runs).where(s.runs.c.run_id == run_id).values(status="finished", finished_at=now))
+    return run_from_row(ctx.execute(select(s.runs).where(s.runs.c.run_id == run_id)).one())
+
+
+def set_metadata(ctx: UnitContext, run_id: int, metadata: EncodedJson | None) -> Run:
+    ctx.execute(update(s.runs).where(s.runs.c.run_id == run_id).values(metadata=metadata))
     return run_from_row(ctx.execute(select(s.runs).where(s.runs.c.run_id == run_id)).one())
 
 

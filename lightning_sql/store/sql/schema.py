@@ -1,4 +1,4 @@
-"""Tables, indexes and column types: the single source of the lightning_sql schema (DESIGN §3).
+"""Tables, indexes and column types: the single source of the lightning_sql schema (docs/architecture.md §3).
 
 Every table carries ``run_id`` (a store is bound to one run).  On PostgreSQL the tables live in a
 schema chosen at run time (``schema_translate_map`` maps the ``None`` schema used here onto it), on

@@ -1,28 +1,25 @@
-"""Units of work for spans and span sequence counters (contract §2.9, §2.10).
+"""Units of work for spans and span sequence counters (docs/store-contract.md §2.9, §2.10).
 
 Lock order (PostgreSQL): the rollout rows first (in ``rollout_id`` order), then the attempt rows,
-then the span inserts; the heartbeat written last only touches rows already locked.  Spans of one
-attempt take the same steps as one statement there (``dialect.add_spans_in_one_statement``).
+then the span inserts; the heartbeat written last only touches rows already locked.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Integer, Text, and_, bindparam, case, func, select, tuple_, update
-from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy import bindparam, case, func, select, tuple_, update
 
 from lightning_sql.store.sql import dialect as d
 from lightning_sql.store.sql import filters as f
 from lightning_sql.store.sql import schema as s
-from lightning_sql.store.sql.engine import Planned, UnitContext
-from lightning_sql.store.sql.rows import deferred_span_from_row, span_read_columns
+from lightning_sql.store.sql.executor import UnitContext
+from lightning_sql.store.sql.rows import span_from_row
 from lightning_sql.store.sql.statements import cached
 from lightning_sql.types import QUEUED_STATUSES, PaginatedResult, Span, check_text
-from lightning_sql.types.jsonvalue import encode_json
+from lightning_sql.types.jsonvalue import MAX_ID_BYTES
 
 logger = logging.getLogger("lightning_sql.store")
 
@@ -64,14 +61,6 @@ def _counts(pairs: Sequence[tuple[str, str]], into: dict[str, int] | None = None
     counts = {} if into is None else into
     for rid, _aid in pairs:
         counts[rid] = counts.get(rid, 0) + 1
-    return counts
-
-
-def _counts_of_calls(calls: Sequence[tuple[float, Sequence[tuple[str, str]]]]) -> dict[str, int]:
-    """How many ids each rollout takes over all the calls' pairs, in order of first use."""
-    counts: dict[str, int] = {}
-    for _now, pairs in calls:
-        _counts(pairs, counts)
     return counts
 
 
@@ -126,142 +115,6 @@ def reserve_sequence_ids(ctx: UnitContext, run_id: int, pairs: Sequence[tuple[st
     return out
 
 
-def reserve_sequence_ids_batch(
-    ctx: UnitContext, run_id: int, calls: Sequence[tuple[float, Sequence[tuple[str, str]]]]
-) -> list[list[int]]:
-    """``reserve_sequence_ids`` for several calls ``(now, pairs)`` at once, each call's ids: what
-    the calls get run one after the other in that order (a rollout's ids in call order, then pair
-    order), from ONE statement that moves every rollout's counter by its total, or none when one
-    of them is unknown (atomic on its own: PostgreSQL runs a batch without a transaction).  An
-    unknown rollout fails the whole batch (whose calls then run alone: only its own call fails).
-    One call: ``reserve_sequence_ids``."""
-    if len(calls) == 1:
-        return [reserve_sequence_ids(ctx, run_id, pairs) for _now, pairs in calls]
-    counts = _counts_of_calls(calls)
-    return _ids_of_calls(calls, counts, _bump_counters(ctx, run_id, counts))
-
-
-def _ids_of_calls(
-    calls: Sequence[tuple[float, Sequence[tuple[str, str]]]], counts: dict[str, int], ends: dict[str, int]
-) -> list[list[int]]:
-    """Each call's ids, from the counters' new values ``ends`` (the rollouts' ``counts`` added)."""
-    next_value: dict[str, int] = {}
-    for rid, count in counts.items():
-        if rid not in ends:
-            raise ValueError(f"Rollout {rid} not found")
-        next_value[rid] = ends[rid] - count + 1
-    out = []
-    for _now, pairs in calls:
-        ids = []
-        for rid, _aid in pairs:
-            ids.append(next_value[rid])
-            next_value[rid] += 1
-        out.append(ids)
-    return out
-
-
-def plan_sequence_ids(
-    run_id: int, calls: Sequence[tuple[float, Sequence[tuple[str, str]]]]
-) -> Planned[list[int]] | None:
-    """PostgreSQL: ``reserve_sequence_ids_batch`` as the one statement it runs (``BatchUnit.plan``),
-    or None for one call over several rollouts (it locks them, then writes)."""
-    if len(calls) == 1:
-        counts = _counts(calls[0][1])
-        if len(counts) != 1:
-            return None
-        ((rid, count),) = counts.items()
-        stmt, params = _bump_one(run_id, rid, count)
-        return Planned(
-            stmt, params, lambda rows, _events: [_ids_of_one_rollout(rid, count, rows[0][0] if rows else None)]
-        )
-    counts = _counts_of_calls(calls)
-    stmt, params = _bump_counters_statement(run_id, counts, "postgresql")
-    return Planned(
-        stmt, params, lambda rows, _events: _ids_of_calls(calls, counts, {row[0]: int(row[1]) for row in rows})
-    )
-
-
-def _bump_counters_statement(run_id: int, counts: dict[str, int], dialect: str) -> tuple[Any, dict[str, Any]]:
-    params: dict[str, Any] = {"s_run_id": run_id, "s_n": len(counts)}
-    if dialect == "postgresql":
-        params.update(s_ids=list(counts), s_counts=list(counts.values()))
-        return cached(("span_bump_counters", "postgresql"), _bump_counters_postgres), params
-    params["s_counts"] = encode_json(counts, "counts")
-    return cached(("span_bump_counters", "sqlite"), _bump_counters_sqlite), params
-
-
-def _bump_counters(ctx: UnitContext, run_id: int, counts: dict[str, int]) -> dict[str, int]:
-    """Add ``counts[rid]`` to each rollout's span counter in one statement, only when every one of
-    them exists: their new values, or {} (nothing changed) when one is unknown."""
-    stmt, params = _bump_counters_statement(run_id, counts, ctx.dialect)
-    return {row[0]: int(row[1]) for row in ctx.execute(stmt, params)}
-
-
-def _bump_counters_postgres() -> Any:
-    """``_bump_from`` on PostgreSQL, with the rollouts found through a MATERIALIZED CTE of their
-    keys ("Keyed UPDATEs" in ``dialect``'s docstring): with ``run_id = :run_id`` on the target, the
-    planner scanned the run's rollouts for every batch of a run it believed small."""
-    given = (
-        func.unnest(bindparam("s_ids", type_=ARRAY(s.IdText())), bindparam("s_counts", type_=ARRAY(Integer)))
-        .table_valued("rid", "n")
-        .render_derived(name="given")
-    )
-    keys = (
-        select(bindparam("s_run_id", type_=Integer).label("run_id"), given.c.rid, given.c.n)
-        .limit(bindparam("s_n", type_=Integer))  # every key: "Keyed UPDATEs" again
-        .cte("keys")
-        .prefix_with("MATERIALIZED")
-    )
-    found = R.alias("found")
-    all_found = (
-        select(func.count())
-        .select_from(keys.join(found, and_(found.c.run_id == keys.c.run_id, found.c.rollout_id == keys.c.rid)))
-        .scalar_subquery()
-    )
-    return (
-        update(R)
-        .where(R.c.run_id == keys.c.run_id, R.c.rollout_id == keys.c.rid, all_found == bindparam("s_n"))
-        .values(span_seq=R.c.span_seq + keys.c.n)
-        .returning(R.c.rollout_id, R.c.span_seq)
-    )
-
-
-def _bump_counters_sqlite() -> Any:
-    def amounts(name: str) -> Any:
-        table = func.json_each(bindparam("s_counts", type_=Text)).table_valued("key", "value").alias(name)
-        return table, table.c.key, table.c.value
-
-    return _bump_from(amounts)
-
-
-def _bump_from(amounts: Any) -> Any:
-    """UPDATE every rollout that ``amounts(name)`` (a table of rollout ids and amounts: ``(table,
-    id column, amount column)``) names by its amount, when all of them exist.  Each rollout is found
-    by its key (``IN``, and its amount by a correlated look-up).  SQLite's form: on PostgreSQL the
-    planner may read the run for it (``_bump_counters_postgres``)."""
-    _moving, moving_id, _amount = amounts("moving")
-    _by, by_id, by_amount = amounts("amount")
-    _wanted, wanted_id, _n = amounts("wanted")
-    found = R.alias("found")
-    all_found = (
-        select(func.count())
-        .select_from(found)
-        .where(found.c.run_id == bindparam("s_run_id"), found.c.rollout_id.in_(select(wanted_id)))
-        .scalar_subquery()
-    )
-    amount = select(by_amount).where(by_id == R.c.rollout_id).scalar_subquery()
-    return (
-        update(R)
-        .where(
-            R.c.run_id == bindparam("s_run_id"),
-            R.c.rollout_id.in_(select(moving_id)),
-            all_found == bindparam("s_n"),
-        )
-        .values(span_seq=R.c.span_seq + amount)
-        .returning(R.c.rollout_id, R.c.span_seq)
-    )
-
-
 def add_spans(
     ctx: UnitContext,
     run_id: int,
@@ -278,8 +131,6 @@ def add_spans(
     """
     if not spans:
         return []
-    if not allocate and d.ingests_spans_in_one_statement(ctx) and one_group(spans):
-        return _add_one_group(ctx, run_id, now, spans, rows)
     groups: dict[tuple[str, str], list[int]] = {}
     for index, span in enumerate(spans):
         groups.setdefault((span.rollout_id, span.attempt_id), []).append(index)
@@ -330,94 +181,6 @@ def add_spans(
     return inserted
 
 
-# Adds of spans of one attempt each (``add_span``, ``add_many_spans``) issued in the same turn of a
-# loop run as one call (``add_spans_batch``, ADR 0005 decisions 10 and 13); "0" turns it off (each
-# call its own unit: on PostgreSQL one statement).
-SPAN_BATCHES = os.environ.get("LIGHTNING_SQL_SPAN_BATCHES", "1") != "0"
-# The calls of one batch of span adds on the I/O loop (``BatchUnit.max_batch``): the calls of a turn
-# past it form another batch, which PostgreSQL runs beside the first on another connection.
-BATCH_MAX_SPANS = 64
-
-
-def add_spans_batch(
-    ctx: UnitContext, run_id: int, calls: Sequence[tuple[float, tuple[Sequence[Span], Sequence[dict[str, Any]]]]]
-) -> list[list[Span]]:
-    """``add_spans`` for several calls ``(now, (spans, rows))`` at once, the spans of each call of
-    one (rollout, attempt) (``one_group``): each call's inserted spans, what the calls run one after
-    the other in that order return (a span key repeated across calls is the first one's; the later
-    ones are duplicates).  On PostgreSQL ONE statement for them all
-    (``dialect.add_spans_of_many_attempts_in_one_statement``), atomic on its own; it changes nothing
-    when one of the rollouts or attempts is missing, and the batch then raises, so that its calls run
-    alone and only the faulty one fails.  Elsewhere the calls one after the other."""
-    _stamp_run(run_id, calls)
-    if len(calls) == 1 or not d.ingests_spans_in_one_statement(ctx):
-        return [add_spans(ctx, run_id, now, spans, rows) for now, (spans, rows) in calls]
-    now, unique_rows = _batch_rows(calls)
-    outcome = d.add_spans_of_many_attempts_in_one_statement(ctx, run_id, now, unique_rows)
-    return _inserted_of_calls(calls, outcome)
-
-
-def plan_spans(
-    run_id: int, calls: Sequence[tuple[float, tuple[Sequence[Span], Sequence[dict[str, Any]]]]]
-) -> Planned[list[Span]] | None:
-    """PostgreSQL: ``add_spans_batch`` as the one statement it runs (``BatchUnit.plan``): a call
-    alone, ``_add_one_group``'s."""
-    _stamp_run(run_id, calls)
-    if len(calls) == 1:
-        ((now, (spans, rows)),) = calls
-        first = spans[0]
-        stmt, params = d.span_ingest_statement(run_id, now, first.rollout_id, first.attempt_id, _group_rows(spans, rows))
-        return Planned(stmt, params, lambda result, _events: [_inserted_of_group(spans, d.span_ingest_outcome(result))])
-    now, unique_rows = _batch_rows(calls)
-    stmt, params = d.span_ingest_many_statement(run_id, now, unique_rows)
-    return Planned(stmt, params, lambda result, _events: _inserted_of_calls(calls, d.span_ingest_many_outcome(result)))
-
-
-def _stamp_run(run_id: int, calls: Sequence[tuple[float, tuple[Sequence[Span], Sequence[dict[str, Any]]]]]) -> None:
-    """Set the run id of the calls' rows (encoded before the run was known)."""
-    for _now, (_spans, rows) in calls:
-        if rows[0]["run_id"] != run_id:
-            for row in rows:
-                row["run_id"] = run_id
-
-
-def _batch_rows(
-    calls: Sequence[tuple[float, tuple[Sequence[Span], Sequence[dict[str, Any]]]]],
-) -> tuple[float, list[dict[str, Any]]]:
-    """The batch's heartbeat time (its latest call's) and its rows, a span key's first only."""
-    unique_rows: list[dict[str, Any]] = []
-    seen: set[tuple[str, str, str]] = set()
-    for _now, (spans, rows) in calls:
-        for span, row in zip(spans, rows, strict=True):
-            key = (span.rollout_id, span.attempt_id, span.span_id)
-            if key not in seen:
-                seen.add(key)
-                unique_rows.append(row)
-    return max(now for now, _args in calls), unique_rows
-
-
-def _inserted_of_calls(
-    calls: Sequence[tuple[float, tuple[Sequence[Span], Sequence[dict[str, Any]]]]],
-    outcome: tuple[bool, set[tuple[str, str, str]]],
-) -> list[list[Span]]:
-    """Each call's inserted spans, from the batch statement's outcome (found, keys inserted)."""
-    found, inserted_keys = outcome
-    if not found:
-        raise ValueError("a rollout or attempt of the batch is missing: its calls run alone")
-    out: list[list[Span]] = []
-    for _now, (spans, _rows) in calls:
-        inserted: list[Span] = []
-        for span in spans:
-            key = (span.rollout_id, span.attempt_id, span.span_id)
-            if key in inserted_keys:
-                inserted_keys.discard(key)  # a later repeat of the key is a duplicate
-                inserted.append(span)
-            else:
-                _log_duplicate(span)
-        out.append(inserted)
-    return out
-
-
 def _lock_groups(
     ctx: UnitContext, run_id: int, groups: list[tuple[str, str]]
 ) -> tuple[dict[str, Any], dict[tuple[str, str], Any]]:
@@ -440,55 +203,6 @@ def _lock_groups(
         if (rid, aid) not in attempt_rows:
             raise ValueError(f"Attempt {aid} not found for rollout {rid}")
     return locked, attempt_rows
-
-
-def one_group(spans: Sequence[Span]) -> bool:
-    """All spans belong to one (rollout, attempt): PostgreSQL ingests them in one statement."""
-    first = spans[0]
-    return all(span.rollout_id == first.rollout_id and span.attempt_id == first.attempt_id for span in spans)
-
-
-def _add_one_group(
-    ctx: UnitContext, run_id: int, now: float, spans: Sequence[Span], rows: Sequence[dict[str, Any]]
-) -> list[Span]:
-    """``add_spans`` for one (rollout, attempt) as one statement (``dialect.add_spans_in_one_statement``,
-    PostgreSQL).  Same outcome as the plain steps: the same errors (and nothing written), the same
-    duplicates skipped and logged, the inserted spans in input order."""
-    first = spans[0]
-    outcome = d.add_spans_in_one_statement(
-        ctx, run_id, now, first.rollout_id, first.attempt_id, _group_rows(spans, rows)
-    )
-    return _inserted_of_group(spans, outcome)
-
-
-def _group_rows(spans: Sequence[Span], rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The rows of one group's spans, a span id's first only (repeats in a batch are duplicates too)."""
-    unique_rows: list[dict[str, Any]] = []
-    seen: set[str] = set()
-    for span, row in zip(spans, rows, strict=True):
-        if span.span_id not in seen:
-            seen.add(span.span_id)
-            unique_rows.append(row)
-    return unique_rows
-
-
-def _inserted_of_group(spans: Sequence[Span], outcome: tuple[bool, bool, set[str]]) -> list[Span]:
-    """One group's inserted spans in input order, from its statement's outcome (rollout found,
-    attempt found, the span ids inserted); raises for a missing rollout or attempt."""
-    rollout_found, attempt_found, inserted_ids = outcome
-    first = spans[0]
-    if not rollout_found:
-        raise ValueError(f"Rollout {first.rollout_id} not found")
-    if not attempt_found:
-        raise ValueError(f"Attempt {first.attempt_id} not found for rollout {first.rollout_id}")
-    inserted: list[Span] = []
-    for span in spans:
-        if span.span_id in inserted_ids:
-            inserted_ids.discard(span.span_id)  # a later repeat of the id is a duplicate
-            inserted.append(span)
-        else:
-            _log_duplicate(span)
-    return inserted
 
 
 def _log_duplicate(span: Span) -> None:
@@ -557,15 +271,20 @@ def _heartbeat(ctx: UnitContext, run_id: int, now: float, rid: str, aid: str, ro
 SPAN_FILTER_FIELDS = ("trace_id", "span_id", "parent_id", "name")
 
 
-def _shape(value: str | None) -> bool | None:
-    """None: no filter; True: a bound value; False: a value that cannot be stored (matches nothing)."""
+def _shape(value: str | None, *, max_bytes: int | None = MAX_ID_BYTES) -> bool | None:
+    """None: no filter; True: a bound value; False: a value that cannot be stored (matches nothing).
+    Span names have no length limit (they are no index key): ``max_bytes=None`` for them."""
     if value is None:
         return None
     try:
-        check_text(value, "value")
+        check_text(value, "value", max_bytes=max_bytes)
     except (TypeError, ValueError):
         return False
     return True
+
+
+def _limit(field: str) -> int | None:
+    return None if field == "name" else MAX_ID_BYTES
 
 
 def _span_query(ctx: Any, shape: tuple[Any, ...]) -> tuple[Any, Any]:
@@ -594,12 +313,11 @@ def _span_query(ctx: Any, shape: tuple[Any, ...]) -> tuple[Any, Any]:
             conditions.append(d.contains(ctx, S.c[name], bindparam(f"q_{name}_contains")) if ok else f.false())
     where = [*must, f.pool(conditions, logic)]
     order = f.order_by(f.SPAN_SORT, sort_by, sort_order)
-    columns = span_read_columns(ctx.dialect)  # the JSON columns as text, decoded by each span on first use
+    columns = [c for c in S.c if c.name != "run_id"]
     if has_offset and ctx.dialect == "postgresql":
         # PostgreSQL computes the output columns (JSONB as text, out-of-line values fetched) of every
-        # row an OFFSET skips: the page's ids come first, from the spans' index, then only its rows
-        # (a page of 10 at offset 5,000 of a 10,000-span trace: 24 ms -> 1.2 ms on the server;
-        # docs/performance.md, twenty-sixth pass).  SQLite skips a row before reading its columns.
+        # row an OFFSET skips: the page's ids come first, from the spans' index, then only its rows.
+        # SQLite skips a row before reading its columns.
         ids = select(S.c.id).where(*where).order_by(*order).offset(bindparam("q_offset")).correlate(None)
         if has_limit:
             ids = ids.limit(bindparam("q_limit"))
@@ -637,8 +355,8 @@ def query_spans(
 
 
 def page_of_spans(rows: Sequence[Any], limit: int, offset: int, total: int) -> PaginatedResult[Span]:
-    """``query_spans``' result from the page statement's rows (each span decodes on first use)."""
-    return PaginatedResult(items=[deferred_span_from_row(r) for r in rows], limit=limit, offset=offset, total=total)
+    """``query_spans``' result from the page statement's rows."""
+    return PaginatedResult(items=[span_from_row(r) for r in rows], limit=limit, offset=offset, total=total)
 
 
 class _Dialect:
@@ -670,8 +388,8 @@ def span_page(
         attempt_mode: Any = attempt_id
     else:
         attempt_mode = bool(_shape(attempt_id))
-    exact_shape = tuple(_shape(exact[name]) for name in SPAN_FILTER_FIELDS)
-    contains_shape = tuple(_shape(contains[name]) for name in SPAN_FILTER_FIELDS)
+    exact_shape = tuple(_shape(exact[name], max_bytes=_limit(name)) for name in SPAN_FILTER_FIELDS)
+    contains_shape = tuple(_shape(contains[name], max_bytes=_limit(name)) for name in SPAN_FILTER_FIELDS)
     shape = (
         bool(_shape(rollout_id)),
         attempt_mode,

@@ -1,4 +1,4 @@
-"""``SqlLightningStore``: the store contract on SQLite and PostgreSQL (contract §0-§2, §4).
+"""``SqlLightningStore``: the store contract on SQLite and PostgreSQL (docs/store-contract.md §0-§2, §4).
 
 Each public coroutine validates its arguments in Python (so bad input fails before any I/O and
 writes nothing), decides every id and *now* once, and hands one unit of work to the process's I/O
@@ -10,7 +10,6 @@ holds the per-instance policy (options, run binding, clock, I/O hand-off, sweep 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import math
 import time
@@ -22,6 +21,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from sqlalchemy import func, select
 
 from lightning_sql.store.base import LightningStore
+from lightning_sql.store.sql import attempts, claims
 from lightning_sql.store.sql import dialect as d
 from lightning_sql.store.sql import filters as f
 from lightning_sql.store.sql import resources as res_units
@@ -30,9 +30,7 @@ from lightning_sql.store.sql import runs as run_units
 from lightning_sql.store.sql import schema as s
 from lightning_sql.store.sql import spans as span_units
 from lightning_sql.store.sql import workers as worker_units
-from lightning_sql.store.sql.engine import (
-    UnitContext,
-)
+from lightning_sql.store.sql.executor import UnitContext
 from lightning_sql.store.sql.instance import StoreInstance
 from lightning_sql.store.sql.rows import (
     attempt_from_row,
@@ -225,14 +223,8 @@ class SqlLightningStore(StoreInstance, LightningStore):
             # Nothing to claim and no worker to mark idle: only the [sweeps] part of the call remains.
             await self._sweep_only()
             return []
-        return await self._call_batchable(
-            method,
-            ro.claim_batch,  # concurrent claims: one claim of their rollouts (ADR 0005 decision 7)
-            (attempt_ids, worker_id),
-            sweeps=True,
-            autocommit=True,  # each statement of a claim is atomic and replay-safe (ro.claim)
-            atomic_batch=True,  # a batch too: one statement on PostgreSQL (ro.claim_batch)
-            plan=ro.plan_claims,
+        return await self._call(
+            method, lambda ctx, run_id, now: claims.claim(ctx, run_id, now, attempt_ids, worker_id), write=True, sweeps=True
         )
 
     async def start_attempt(self, rollout_id: str, worker_id: str | None = None) -> AttemptedRollout:
@@ -244,7 +236,7 @@ class SqlLightningStore(StoreInstance, LightningStore):
         attempt_id = new_attempt_id()
         return await self._call(
             "start_attempt",
-            lambda ctx, run_id, now: ro.start_attempt(ctx, run_id, now, rollout_id, attempt_id, worker_id),
+            lambda ctx, run_id, now: attempts.start_attempt(ctx, run_id, now, rollout_id, attempt_id, worker_id),
             write=True,
             sweeps=True,
         )
@@ -293,13 +285,6 @@ class SqlLightningStore(StoreInstance, LightningStore):
             sweeps=True,
         )
 
-    @functools.cached_property
-    def _plan_attempt_updates(self) -> Callable[[int, list[Any]], Any]:
-        """``ro.plan_attempt_updates`` for this store's NOTIFY channel, made once: a batch's plan is
-        kept per (function, run, plan) by ``StoreInstance._call_batchable``, which compares plans
-        by identity."""
-        return functools.partial(ro.plan_attempt_updates, self._notify_channel)
-
     async def update_attempt(
         self,
         rollout_id: str,
@@ -335,22 +320,12 @@ class SqlLightningStore(StoreInstance, LightningStore):
                 _invalid_rollout_field("metadata", metadata, "Attempt")
             changes["metadata"] = encoded(metadata, "metadata")
         self._check_ids_for_attempt(rollout_id, attempt_id)
-        call = functools.partial(
-            self._call_batchable,
+        return await self._call(
             "update_attempt",
-            ro.update_attempt_batch,  # concurrent calls: one transaction (fewer round trips)
-            (rollout_id, attempt_id, changes),
+            lambda ctx, run_id, now: attempts.update_attempt(ctx, run_id, now, rollout_id, attempt_id, changes),
+            write=True,
             sweeps=True,
-            max_batch=ro.UPDATE_BATCH_MAX,
-            plan=self._plan_attempt_updates,
         )
-        if ro.fits_one_statement(attempt_id, changes):
-            # PostgreSQL: alone, one statement without a transaction, unless it finds nothing to write.
-            try:
-                return await call(autocommit=True, atomic_batch=True)
-            except ro.NeedsTransaction:
-                pass
-        return await call()
 
     @staticmethod
     def _check_ids_for_attempt(rollout_id: str, attempt_id: str) -> None:
@@ -365,7 +340,7 @@ class SqlLightningStore(StoreInstance, LightningStore):
         self._check_ids_for_attempt(rollout_id, attempt_id)
         return await self._call(
             "touch_attempt",
-            lambda ctx, run_id, now: ro.touch_attempt(ctx, run_id, now, rollout_id, attempt_id),
+            lambda ctx, run_id, now: attempts.touch_attempt(ctx, run_id, now, rollout_id, attempt_id),
             write=True,
         )
 
@@ -565,27 +540,13 @@ class SqlLightningStore(StoreInstance, LightningStore):
         # Validate and encode before any I/O (bad input writes nothing and needs no database), on the
         # caller's thread: the I/O thread only stamps the run id.
         rows = [span_values(span, 0) for span in spans]
-        one_statement = not allocate and span_units.one_group(spans)  # on PostgreSQL, atomic alone
-        if one_statement and span_units.SPAN_BATCHES:
-            # Spans of one attempt: with the other such adds issued in the same turn of the loop (the
-            # runners' tracers and their add_many_spans), one statement for them all on PostgreSQL.
-            return await self._call_batchable(
-                method,
-                span_units.add_spans_batch,
-                (spans, rows),
-                autocommit=True,
-                atomic_batch=True,
-                max_batch=span_units.BATCH_MAX_SPANS,
-                plan=span_units.plan_spans,
-            )
-
         def unit(ctx: UnitContext, run_id: int, now: float) -> list[Span]:
             if rows[0]["run_id"] != run_id:
                 for row in rows:
                     row["run_id"] = run_id
             return span_units.add_spans(ctx, run_id, now, spans, rows, allocate=allocate)
 
-        return await self._call(method, unit, write=True, autocommit=one_statement)
+        return await self._call(method, unit, write=True)
 
     async def add_otel_span(
         self,
@@ -625,13 +586,10 @@ class SqlLightningStore(StoreInstance, LightningStore):
         for rid, _aid in pairs:
             if not is_storable_text(rid):
                 raise ValueError(f"Rollout {rid} not found")
-        return await self._call_batchable(
+        return await self._call(
             "get_many_span_sequence_ids",
-            span_units.reserve_sequence_ids_batch,  # concurrent calls: one statement for them all
-            pairs,
-            autocommit=len({rid for rid, _aid in pairs}) == 1,  # one statement (reserve_sequence_ids)
-            atomic_batch=True,
-            plan=span_units.plan_sequence_ids,
+            lambda ctx, run_id, now: span_units.reserve_sequence_ids(ctx, run_id, pairs),
+            write=True,
         )
 
     async def query_spans(
@@ -672,17 +630,7 @@ class SqlLightningStore(StoreInstance, LightningStore):
                 ctx, run_id, rollout_id, attempt_id, exact, contains, filter_logic, limit, offset, sort_by, sort_order
             )
 
-        dialect = self._target.dialect
-
-        def direct(run_id: int) -> tuple[Any, dict[str, Any], Callable[[list[Any]], PaginatedResult[Span]]]:
-            page, _count, params = span_units.span_page(
-                dialect, run_id, rollout_id, attempt_id, exact, contains, filter_logic, -1, 0, sort_by, sort_order
-            )
-            return page, params, lambda rows: span_units.page_of_spans(rows, -1, 0, len(rows))
-
-        # Without pagination the call is one statement: the home loop may run it directly.
-        one_statement = direct if limit == -1 and offset == 0 else None
-        return await self._call("query_spans", unit, write=False, sweeps=True, direct=one_statement)
+        return await self._call("query_spans", unit, write=False, sweeps=True)
 
     # --- resources ------------------------------------------------------------------------------
 
@@ -862,6 +810,14 @@ class SqlLightningStore(StoreInstance, LightningStore):
         self._check_writable("mark_run_finished")
         return await self._call(
             "mark_run_finished", lambda ctx, run_id, now: run_units.mark_finished(ctx, run_id, now), write=True
+        )
+
+    async def update_run_metadata(self, metadata: dict[str, Any] | None) -> Run:
+        """Replace the bound run's metadata (the constructor's ``run_metadata`` only sets it at creation)."""
+        self._check_writable("update_run_metadata")
+        payload = encoded(metadata, "run_metadata")
+        return await self._call(
+            "update_run_metadata", lambda ctx, run_id, now: run_units.set_metadata(ctx, run_id, payload), write=True
         )
 
     async def delete_run(self, name: str) -> bool:

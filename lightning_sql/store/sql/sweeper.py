@@ -1,4 +1,4 @@
-"""Lease expiry (contract §2.15): expired attempts -> timeout/unresponsive, rollouts -> requeue or fail.
+"""Lease expiry (docs/store-contract.md §2.15): expired attempts -> timeout/unresponsive, rollouts -> requeue or fail.
 
 A few set-based statements in one transaction, idempotent and safe to run from many processes at
 once.  On PostgreSQL the candidate rollout rows are taken ``FOR UPDATE SKIP LOCKED`` so a sweep never
@@ -14,7 +14,7 @@ from sqlalchemy import and_, bindparam, case, literal, or_, select, update
 
 from lightning_sql.store.sql import dialect as d
 from lightning_sql.store.sql import schema as s
-from lightning_sql.store.sql.engine import UnitContext
+from lightning_sql.store.sql.executor import UnitContext
 from lightning_sql.types import IN_FLIGHT_STATUSES, RolloutConfig, rollout_status_from_attempt
 
 R = s.rollouts

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import URL, make_url
 
@@ -39,6 +40,8 @@ class DatabaseTarget:
     kind: str  # "sqlite" (writer thread), "sqlite-memory", "aiosqlite", "postgresql"
     url: URL
     path: str | None = None  # SQLite file path (absolute)
+    # Store options given as URL query parameters (``?pool_size=8``), taken out of the driver's URL.
+    options: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
     def dialect(self) -> str:
@@ -49,14 +52,32 @@ class DatabaseTarget:
         return mask_url(self.url)
 
 
+URL_FORMS = (
+    "a store URL looks like sqlite:///runs.db (a file relative to the current folder), "
+    "sqlite:////abs/path/runs.db (an absolute path), sqlite:// (in memory) or "
+    "postgresql://user:password@host:5432/database"
+)
+
+
 def normalise_url(raw: str | URL) -> DatabaseTarget:
-    """Map a user's URL onto the backend that serves it (contract §4 URL normalisation)."""
+    """Map a user's URL onto the backend that serves it; a URL that names no backend, or a SQLite
+    URL whose file would be read as a host name, is refused with the forms a store URL takes."""
+    if isinstance(raw, str) and "://" not in raw:
+        raise ValueError(f"{mask_url(raw)!r} is not a database URL: {URL_FORMS}")
     try:
         url = make_url(raw) if isinstance(raw, str) else raw
     except Exception as exc:
-        raise ValueError(f"Invalid database URL {mask_url(str(raw))!r}: {exc}") from None
+        raise ValueError(f"Invalid database URL {mask_url(str(raw))!r} ({exc}): {URL_FORMS}") from None
     driver = url.drivername
     if driver in ("sqlite", "sqlite+pysqlite", "sqlite+aiosqlite"):
+        if url.host:
+            # sqlite://runs.db parses as a host "runs.db" and no database: an in-memory store that
+            # silently keeps nothing.
+            raise ValueError(
+                f"{mask_url(url)!r} names no SQLite file (two slashes make {url.host!r} a host name): "
+                f"use sqlite:///{url.host}{('/' + url.database) if url.database else ''} for a file in the "
+                f"current folder or sqlite:////abs/path.db for an absolute path"
+            )
         database = url.database or ""
         if database in ("", ":memory:") or database.startswith("file::memory:"):
             if driver == "sqlite+aiosqlite":
@@ -66,18 +87,25 @@ def normalise_url(raw: str | URL) -> DatabaseTarget:
             return DatabaseTarget("sqlite-memory", url.set(drivername="sqlite", database=":memory:"))
         path = str(Path(database).expanduser().resolve())
         if driver == "sqlite+aiosqlite":
-            return DatabaseTarget("aiosqlite", url.set(database=path), path)
+            # Served by the same SQLite executor as sqlite:// (its writer thread and readers).
+            return DatabaseTarget("aiosqlite", url.set(drivername="sqlite", database=path), path)
         return DatabaseTarget("sqlite", url.set(drivername="sqlite", database=path), path)
     if driver in _PG_DRIVER_ALIASES:
         query = dict(url.query)
+        options: dict[str, Any] = {}
+        if "pool_size" in query:
+            value = query.pop("pool_size")
+            try:
+                options["pool_size"] = int(value if isinstance(value, str) else value[-1])
+            except ValueError:
+                raise ValueError(f"pool_size in {mask_url(url)!r} must be an integer, got {value!r}") from None
+            if options["pool_size"] < 1:
+                raise ValueError(f"pool_size in {mask_url(url)!r} must be >= 1, got {value!r}")
         for key in list(query):
             if key in _LIBPQ_TRANSLATIONS:
                 new_key = _LIBPQ_TRANSLATIONS[key]
                 value = query.pop(key)
                 if new_key is not None:
                     query[new_key] = value
-        return DatabaseTarget("postgresql", url.set(drivername="postgresql+asyncpg", query=query))
-    raise ValueError(
-        f"Unsupported database URL {mask_url(url)!r}: use sqlite:///path.db, sqlite+aiosqlite:///path.db "
-        "or postgresql://user@host/db"
-    )
+        return DatabaseTarget("postgresql", url.set(drivername="postgresql+asyncpg", query=query), options=options)
+    raise ValueError(f"Unsupported database URL {mask_url(url)!r}: {URL_FORMS}")

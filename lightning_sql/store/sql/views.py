@@ -1,4 +1,4 @@
-"""The analysis views (DESIGN §3): one shape on SQLite and PostgreSQL, versioned names.
+"""The analysis views (docs/architecture.md §3): one shape on SQLite and PostgreSQL, versioned names.
 
 * ``rollout_summary_v1`` — one row per rollout: run, status, mode, resources id and version, attempts,
   latest attempt and its worker, duration and the **final reward** (the first reward dimension of the

@@ -1,4 +1,4 @@
-"""Units of work for workers (contract §2.14): heartbeats, worker sync from attempts, reads."""
+"""Units of work for workers (docs/store-contract.md §2.14): heartbeats, worker sync from attempts, reads."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from sqlalchemy import bindparam, case, select
 
 from lightning_sql.store.sql import dialect as d
 from lightning_sql.store.sql import schema as s
-from lightning_sql.store.sql.engine import EncodedJson, UnitContext
+from lightning_sql.store.sql.executor import EncodedJson, UnitContext
 from lightning_sql.store.sql.rows import worker_from_row
 from lightning_sql.store.sql.statements import cached
 from lightning_sql.types import Worker
@@ -63,7 +63,7 @@ _HEARTBEAT_STATS = _take("last_heartbeat_time", "heartbeat_stats")
 
 
 def _idle_time_unless_idle(excluded: Any) -> Any:
-    # An already idle worker keeps its last_idle_time (contract §2.4).
+    # An already idle worker keeps its last_idle_time (docs/store-contract.md §2.4).
     return case((W.c.status == "idle", W.c.last_idle_time), else_=excluded.last_idle_time)
 
 

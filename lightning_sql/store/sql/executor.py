@@ -1,0 +1,211 @@
+"""How a unit of work reaches the database: the interface both executors implement.
+
+A *unit* is a plain sync function over a ``UnitContext`` (a SQLAlchemy ``Connection`` and the events
+it wants announced), written once for both dialects.  An executor runs it in ONE transaction and
+hands back its result through a ``concurrent.futures.Future``, so that any thread or event loop can
+wait for it.  There is one executor per process and database, shared by every store instance on
+that database in that process (``acquire_executor``):
+
+* ``sqlite_executor.SqliteExecutor``: a writer thread with group commit, reads on WAL reader
+  connections;
+* ``postgres_executor.PostgresExecutor``: a thread running an event loop that owns an asyncpg pool
+  of ``pool_size`` connections and one LISTEN connection.
+
+Both replay a unit after a transient error (``errors.classify_error``) with back-off, and turn a
+database that stays unreachable past ``connect_deadline_seconds`` into ``StoreUnavailableError``.
+Units are replay-safe: their ids and "now" are decided before the first try, and ``ctx.attempt``
+tells a replay to look for what an earlier try may have committed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import hashlib
+import json
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from sqlalchemy import Connection
+
+from lightning_sql.store.sql.urls import DatabaseTarget
+from lightning_sql.store.sql.waits import WaitHub
+
+T = TypeVar("T")
+
+NOTIFY_CHANNEL = "lightning_sql_v1"
+
+
+def notify_channel(schema: str | None) -> str:
+    """The LISTEN/NOTIFY channel of the store's tables in ``schema``: ``NOTIFY_CHANNEL`` for the
+    default schema and one channel per named schema, so that stores on other schemas of the same
+    database (whose run ids are their own) neither hear nor wake each other.  A name over
+    PostgreSQL's 63 bytes is replaced by a digest of the schema."""
+    if schema is None:
+        return NOTIFY_CHANNEL
+    channel = f"{NOTIFY_CHANNEL}:{schema}"
+    if len(channel.encode()) > 63:
+        channel = f"{NOTIFY_CHANNEL}:{hashlib.sha256(schema.encode()).hexdigest()[:32]}"
+    return channel
+
+
+class EncodedJson(str):
+    """JSON text already validated and encoded by the store: the engines' serializer passes it
+    through instead of encoding the string again."""
+
+    __slots__ = ()
+
+
+def json_serializer(value: Any) -> str:
+    """The engines' JSON serializer (``create_engine(json_serializer=...)``)."""
+    if isinstance(value, EncodedJson):
+        return value
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+@dataclass
+class UnitContext:
+    """What a unit sees besides its connection: the dialect, and the events it wants announced."""
+
+    conn: Connection
+    dialect: str
+    # 0 on the first try; > 0 on a replay after a transient error, when an earlier try may have
+    # committed (units skip their replay look-ups on the first try).
+    attempt: int = 0
+    notify_channel: str = NOTIFY_CHANNEL
+    events: set[tuple[int, str]] = field(default_factory=set)
+    # Events whose NOTIFY a statement of the unit already sent (PostgreSQL, ``dialect.run_writes``).
+    notified: set[tuple[int, str]] = field(default_factory=set)
+
+    def announce(self, run_id: int, kind: str) -> None:
+        """Record a ``finished``/``queued`` event of a run, delivered once after the commit (to this
+        process's waiters, and on PostgreSQL to every process through NOTIFY)."""
+        self.events.add((run_id, kind))
+
+    def take_notifications(self) -> list[str]:
+        """The NOTIFY payloads of the events not sent yet, in a stable order; they count as sent."""
+        pending = sorted(self.events - self.notified)
+        self.notified.update(pending)
+        return [f"{run_id}:{kind}" for run_id, kind in pending]
+
+    def execute(self, stmt: Any, params: Any = None) -> Any:
+        return self.conn.execute(stmt, params)
+
+
+Unit = Callable[[UnitContext], T]
+
+
+@dataclass(frozen=True)
+class SchemaUnit:
+    """Make sure the schema exists and is current; run once per executor before any other unit."""
+
+    auto_migrate: bool
+    read_only: bool
+
+    def __call__(self, ctx: UnitContext) -> None:  # pragma: no cover - the executors handle it
+        raise NotImplementedError
+
+
+class Executor:
+    """Runs units on one database for every store instance of this process (see the module doc)."""
+
+    def __init__(self, target: DatabaseTarget, *, schema: str | None, options: dict[str, Any]) -> None:
+        self.target = target
+        self.schema = schema
+        self.options = options
+        self.hub = WaitHub()
+        self.refs = 0
+        self.pid = os.getpid()
+        self.closed = False
+        self.schema_ready: tuple[bool, bool] | None = None  # (auto_migrate, read_only) that succeeded
+
+    @property
+    def dialect(self) -> str:
+        return self.target.dialect
+
+    def submit(
+        self, unit: Unit[T], *, write: bool, deadline_s: float, snapshot: bool = False
+    ) -> concurrent.futures.Future[T]:
+        """Run ``unit`` in one transaction (``write``: one that may write; ``snapshot``: a read
+        that must see one snapshot across its statements) and settle the future with its result."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def after_commit(self, ctx: UnitContext) -> None:
+        for run_id, _kind in ctx.events:
+            self.hub.wake(run_id)
+
+
+# --- one executor per process and database --------------------------------------------------
+
+
+def _key(target: DatabaseTarget, schema: str | None, options: dict[str, Any]) -> tuple[Any, ...]:
+    return (
+        target.dialect,  # sqlite:// and sqlite+aiosqlite:// of one file share the executor
+        target.url.render_as_string(hide_password=False),
+        schema,
+        tuple(sorted((k, repr(v)) for k, v in options.items())),
+    )
+
+
+_executors: dict[tuple[Any, ...], Executor] = {}
+_executors_lock = threading.Lock()
+
+
+def acquire_executor(target: DatabaseTarget, *, schema: str | None, options: dict[str, Any]) -> Executor:
+    """This process's executor for the database (started on first use), with one more holder.  An
+    in-memory SQLite database belongs to its store instance alone: it is never shared."""
+    from lightning_sql.store.sql.postgres_executor import PostgresExecutor
+    from lightning_sql.store.sql.sqlite_executor import SqliteExecutor
+
+    cls: type[Executor] = PostgresExecutor if target.dialect == "postgresql" else SqliteExecutor
+    if target.kind == "sqlite-memory":
+        executor = cls(target, schema=schema, options=options)
+        executor.refs = 1
+        return executor
+    key = _key(target, schema, options)
+    with _executors_lock:
+        shared = _executors.get(key)
+        if shared is None or shared.closed:
+            shared = _executors[key] = cls(target, schema=schema, options=options)
+        shared.refs += 1
+        return shared
+
+
+def release_executor(executor: Executor) -> None:
+    """One holder fewer; the last one closes the executor."""
+    with _executors_lock:
+        executor.refs -= 1
+        if executor.refs > 0:
+            return
+        for key, value in list(_executors.items()):
+            if value is executor:
+                del _executors[key]
+    if executor.pid == os.getpid():
+        executor.close()
+
+
+def _close_all() -> None:
+    with _executors_lock:
+        executors = list(_executors.values())
+        _executors.clear()
+    for executor in executors:
+        if executor.pid == os.getpid():
+            executor.close()
+
+
+def _forget_executors_in_child() -> None:
+    # A forked child inherits the parent's executors but not their threads: it starts its own, and
+    # never touches (or closes) the parent's connections.
+    global _executors_lock
+    _executors_lock = threading.Lock()
+    _executors.clear()
+
+
+os.register_at_fork(after_in_child=_forget_executors_in_child)
+atexit.register(_close_all)
