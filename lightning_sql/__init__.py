@@ -22,7 +22,9 @@ _RUNTIME_NAMES = (
     "Trainer", "FitSummary", "RunChangedError", "DEFAULT_ROLLOUT_CONFIG", "run_worker", "run_worker_async",
 )  # fmt: skip
 
-__all__ = ["LightningStore", "SqlLightningStore", "StoreUnavailableError", *_types_all, *_RUNTIME_NAMES]
+__all__ = [  # noqa: F405 - LLMProxy and the runtime names come from __getattr__
+    "LightningStore", "SqlLightningStore", "StoreUnavailableError", "LLMProxy", *_types_all, *_RUNTIME_NAMES,
+]
 
 
 def __getattr__(name: str) -> object:
@@ -30,4 +32,8 @@ def __getattr__(name: str) -> object:
         from lightning_sql import runtime
 
         return getattr(runtime, name)
+    if name == "LLMProxy":  # its HTTP stack (the `proxy` extra) is imported only when it starts
+        from lightning_sql.llm_proxy import LLMProxy
+
+        return LLMProxy
     raise AttributeError(f"module 'lightning_sql' has no attribute {name!r}")

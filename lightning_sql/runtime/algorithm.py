@@ -22,6 +22,7 @@ from lightning_sql.types import (
 )
 
 if TYPE_CHECKING:
+    from lightning_sql.llm_proxy import LLMProxy
     from lightning_sql.runtime.adapter import TraceAdapter
     from lightning_sql.runtime.trainer import Trainer
     from lightning_sql.store.base import LightningStore
@@ -54,6 +55,7 @@ class Algorithm:
         self._trainer_ref: weakref.ReferenceType[Trainer] | None = None
         self._adapter_ref: weakref.ReferenceType[TraceAdapter[Any]] | None = None
         self._initial_resources: NamedResources | None = None
+        self._llm_proxy_ref: weakref.ReferenceType[LLMProxy] | None = None
 
     def is_async(self) -> bool:
         return inspect.iscoroutinefunction(self.run)
@@ -89,6 +91,14 @@ class Algorithm:
 
     def get_initial_resources(self) -> NamedResources | None:
         return self._initial_resources
+
+    def set_llm_proxy(self, llm_proxy: LLMProxy | None) -> None:
+        """The Trainer's LLM proxy (a weak reference), or None."""
+        self._llm_proxy_ref = weakref.ref(llm_proxy) if llm_proxy is not None else None
+
+    def get_llm_proxy(self) -> LLMProxy | None:
+        """The LLM proxy the Trainer set, or None (none configured, or garbage collected)."""
+        return self._llm_proxy_ref() if self._llm_proxy_ref is not None else None
 
     def get_rollout_config(self) -> RolloutConfig | None:
         """The config the store gives rollouts enqueued without one (the Trainer's lease)."""

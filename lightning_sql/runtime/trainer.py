@@ -177,6 +177,20 @@ def _build_store(
     return store
 
 
+def _build_llm_proxy(spec: Any, store: LightningStore) -> Any:
+    """The Trainer's ``llm_proxy`` (instance, class, dict, name or import path), recording into ``store``."""
+    if spec is None:
+        return None
+    from lightning_sql.llm_proxy import LLMProxy
+
+    proxy = build_component(
+        spec, name="llm_proxy", expected=LLMProxy, registry={"llm_proxy": LLMProxy},
+        inject={"store": store}, dict_default_type=LLMProxy,
+    )
+    proxy.set_store(store)
+    return proxy
+
+
 class _AlgorithmBundle:
     """``algorithm(store, event)``: sets up and runs the algorithm (or waits for the stop event)."""
 
@@ -207,6 +221,18 @@ class _AlgorithmBundle:
             await asyncio.gather(bar, return_exceptions=True)
 
     async def _run(self, store: LightningStore, event: ExecutionEvent) -> None:
+        # A proxy in "asyncio" launch mode serves from this loop; the other modes were started by _execute.
+        proxy = self.trainer.llm_proxy
+        own_proxy = proxy is not None and proxy.launch_mode == "asyncio" and not proxy.is_running()
+        if own_proxy:
+            await proxy.start()
+        try:
+            await self._run_algorithm(store, event)
+        finally:
+            if own_proxy:
+                await proxy.stop()
+
+    async def _run_algorithm(self, store: LightningStore, event: ExecutionEvent) -> None:
         algorithm = self.algorithm
         if algorithm is None:
             while not event.is_set():
@@ -216,6 +242,7 @@ class _AlgorithmBundle:
         algorithm.set_store(store)
         algorithm.set_adapter(self.trainer.adapter)
         algorithm.set_initial_resources(self.trainer.initial_resources)
+        algorithm.set_llm_proxy(self.trainer.llm_proxy)
         if algorithm.is_async():
             work = asyncio.ensure_future(algorithm.run(self.train_dataset, self.val_dataset))
         else:
@@ -270,6 +297,10 @@ class Trainer:
     be turned off, and ``fit`` returns the :class:`FitSummary` regardless.  A run remembers the
     datasets, initial resources and algorithm of its first ``fit``; resuming it with other ones raises
     ``RunChangedError`` unless ``accept_changes=True``.
+
+    ``llm_proxy`` (an ``LLMProxy``, its class, a dict of its arguments, or a name / import path) records
+    the agents' model calls: the Trainer gives it its store, starts it before the runners, hands it to the
+    algorithm (``set_llm_proxy``) and stops it when ``fit`` ends.
     """
 
     def __init__(
@@ -294,6 +325,7 @@ class Trainer:
         progress: bool = True,
         summary: bool = True,
         accept_changes: bool = False,
+        llm_proxy: Any = None,
     ) -> None:
         if n_workers is not None:
             warnings.warn("Trainer(n_workers=...) is deprecated; use n_runners", DeprecationWarning, stacklevel=2)
@@ -362,6 +394,7 @@ class Trainer:
         else:
             self.hooks = [build_component(h, name="hooks", expected=Hook) for h in hooks]
         self.store: LightningStore = _build_store(store, run, rollout_config)
+        self.llm_proxy = _build_llm_proxy(llm_proxy, self.store)
 
     @property
     def run(self) -> str | None:
@@ -406,7 +439,15 @@ class Trainer:
             progress = RunProgress(self.store, self.run, expected, console)
         algorithm_bundle = _AlgorithmBundle(self, algorithm, train_dataset, val_dataset, progress)
         runner_bundle = _RunnerBundle(self.runner, agent, self.hooks)
-        self.strategy.execute(algorithm_bundle, runner_bundle, self.store)
+        proxy = self.llm_proxy
+        own_proxy = proxy is not None and proxy.launch_mode != "asyncio" and not proxy.is_running()
+        if own_proxy:  # up before the first runner can claim a rollout
+            asyncio.run(proxy.start())
+        try:
+            self.strategy.execute(algorithm_bundle, runner_bundle, self.store)
+        finally:
+            if own_proxy:
+                asyncio.run(proxy.stop())
         summary = asyncio.run(self._finish(start))
         if self.summary and console is not None:
             console.print(summary)
