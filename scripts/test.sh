@@ -17,7 +17,7 @@ export LITELLM_LOCAL_MODEL_COST_MAP=True  # agentlightning imports offline
 export LIGHTNING_SQL_TEST_POSTGRES_URL=${LIGHTNING_SQL_TEST_POSTGRES_URL:-postgresql://postgres@127.0.0.1:5432/postgres}
 
 echo "== install"
-"$PYTHON" -m pip install --quiet --disable-pip-version-check -e '.[dev,analysis,agentlightning]'
+"$PYTHON" -m pip install --quiet --disable-pip-version-check -e '.[dev,analysis,agentlightning,server,browser,proxy]'
 
 echo "== postgresql"
 if command -v pg_isready >/dev/null 2>&1; then
@@ -34,13 +34,17 @@ else
   echo "pg_isready not found: PostgreSQL tests will skip (or fail under LIGHTNING_SQL_REQUIRE_POSTGRES=1)"
 fi
 
-echo "== pgbouncer"
-# tests/faults starts Debian's pgbouncer in front of a throwaway cluster (PgBouncer in transaction mode).
-if ! command -v pgbouncer >/dev/null 2>&1 && [ ! -x /usr/sbin/pgbouncer ]; then
+echo "== system packages"
+# tests/faults starts Debian's pgbouncer in front of a throwaway cluster (PgBouncer in transaction
+# mode); tests/dashboard drives Debian's chromium through Playwright (no browser download).
+missing=()
+command -v pgbouncer >/dev/null 2>&1 || [ -x /usr/sbin/pgbouncer ] || missing+=(pgbouncer)
+command -v chromium >/dev/null 2>&1 || [ -x /usr/bin/chromium ] || missing+=(chromium)
+if [ "${#missing[@]}" -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    apt-get update -qq && apt-get install -y -qq pgbouncer >/dev/null
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
   else
-    echo "pgbouncer not found (apt-get install -y pgbouncer): its tests will skip (or fail under LIGHTNING_SQL_REQUIRE_POSTGRES=1)"
+    echo "not installed: ${missing[*]} (apt-get install -y ${missing[*]}): their tests skip (CI requires them)"
   fi
 fi
 
