@@ -26,6 +26,7 @@ import concurrent.futures
 import logging
 import threading
 import time
+import uuid
 from typing import Any, TypeVar
 
 from sqlalchemy import Connection, event, make_url, text
@@ -74,6 +75,9 @@ class PostgresExecutor(Executor):
             raise ValueError(f"pool_size must be >= 1, got {self.pool_size}")
         self.listen = bool(opts.get("listen", True))
         self._listen_url = opts.get("listen_url")
+        # LISTEN elsewhere (listen_url) or not at all: the URL goes through a transaction pooler such
+        # as PgBouncer in transaction mode, where a server connection serves one transaction only.
+        self.pooled = self._listen_url is not None or not self.listen
         self.notify_channel = notify_channel(schema)
         self._loop = asyncio.new_event_loop()
         self._engine: AsyncEngine | None = None
@@ -139,8 +143,19 @@ class PostgresExecutor(Executor):
         for key in ("pool_recycle", "connect_args"):
             if key in opts:
                 kwargs[key] = opts[key]
+        url = self.target.url
+        if self.pooled:
+            # Behind a transaction pooler a statement prepared in one transaction may not exist in
+            # the next: no statement caches, a fresh name for each prepared statement, and every
+            # unit in a transaction (SQLAlchemy's documented set-up for PgBouncer).
+            url = url.update_query_dict({"prepared_statement_cache_size": "0"})
+            kwargs["connect_args"] = {
+                "statement_cache_size": 0,
+                "prepared_statement_name_func": _statement_name,
+                **kwargs.get("connect_args", {}),
+            }
         engine = create_async_engine(
-            self.target.url,
+            url,
             json_serializer=json_serializer,
             json_deserializer=json_deserializer,
             echo=bool(opts.get("echo", False)),
@@ -214,7 +229,7 @@ class PostgresExecutor(Executor):
             return result
 
         async with engine.connect() as aconn:
-            if write:
+            if write or (self.pooled and not snapshot):
                 await aconn.execution_options(isolation_level="READ COMMITTED")
             elif snapshot:
                 await aconn.execution_options(isolation_level="REPEATABLE READ", postgresql_readonly=True)
@@ -289,6 +304,10 @@ class PostgresExecutor(Executor):
                     self._listener.terminate()
                     self._listener = None
             await asyncio.sleep(PG_LISTEN_RECONNECT_S)
+
+
+def _statement_name() -> str:
+    return f"__lightning_sql_{uuid.uuid4().hex}__"
 
 
 def _first_line(exc: BaseException) -> str:
