@@ -362,8 +362,8 @@ class LitAgentRunner(Runner[T_task]):
                 if waiter is not None and waiter.done():
                     if not waiter.cancelled() and waiter.exception() is None and waiter.result():
                         return
-                    if waiter.exception() is not None:
-                        logger.warning("wait_for_queue failed: %s", waiter.exception())
+                    if waiter.exception() is not None:  # the store logs outages itself
+                        logger.debug("wait_for_queue failed: %s", waiter.exception())
                     waiter = None
                     continue
                 if waiter is not None:
@@ -528,14 +528,14 @@ class LitAgentRunner(Runner[T_task]):
             except StoreUnavailableError as exc:
                 if _stopped(event):
                     raise
-                if not logged:
-                    logger.warning("Runner %s: the database is unavailable (%s): %s; retrying", self.worker_name, what, exc)
+                if not logged:  # the store logged the outage once for the whole process
+                    logger.debug("Runner %s: the database is unavailable (%s): %s; retrying", self.worker_name, what, exc)
                     logged = True
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, OUTAGE_RETRY_MAX_S)
                 continue
             if logged:
-                logger.warning("Runner %s: the database answers again (%s)", self.worker_name, what)
+                logger.debug("Runner %s: the database answers again (%s)", self.worker_name, what)
             return result
 
     async def _resolve_resources(self, rollout: Rollout) -> NamedResources:

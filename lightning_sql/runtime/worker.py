@@ -16,12 +16,12 @@ import os
 import signal
 import socket
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from lightning_sql.runtime.agent import LitAgent
 from lightning_sql.runtime.hooks import Hook
-from lightning_sql.runtime.runner import LitAgentRunner
+from lightning_sql.runtime.runner import OUTAGE_RETRY_MAX_S, LitAgentRunner
 from lightning_sql.runtime.tracer import OtelTracer, Tracer
 from lightning_sql.runtime.trainer import _import_path
 from lightning_sql.store.sql.urls import mask_url
@@ -93,7 +93,8 @@ async def run_worker_async(
     stop = stop_event or threading.Event()
     store = SqlLightningStore(url, run=run, create_run=False, **store_options)
     try:
-        await store.statistics()  # fails now, naming the existing runs, if the run does not exist
+        # Fails now, naming the existing runs, if the run does not exist; waits out an outage.
+        await _through_outages(store.statistics, stop, "starting")
         agent_name = agent_spec if isinstance(agent_spec, str) else type(agent_spec).__qualname__
         line = (
             f"Worker {prefix}: {n} runner(s) on run {run!r} at {mask_url(url)}, agent {agent_name}"
@@ -138,17 +139,40 @@ async def run_is_done(store: Any, run: str) -> bool:
 
 
 async def _stop_when_run_is_done(store: Any, run: str, stop: threading.Event, interval: float) -> None:
+    failing = False
     while not stop.is_set():
         try:
             done = await run_is_done(store, run)
         except Exception as exc:  # noqa: BLE001 - a failed check is retried; the runners go on meanwhile
-            logger.warning("Could not check whether run %r is finished: %s", run, exc)
-            done = False
+            if not failing:  # one line per outage, not one per check
+                logger.warning("Could not check whether run %r is finished: %s", run, exc)
+            failing, done = True, False
+        else:
+            failing = False
         if done:
             logger.info("Run %r is finished and nothing is queued or running: stopping", run)
             stop.set()
             return
         await asyncio.sleep(interval)
+
+
+async def _through_outages(call: Callable[[], Awaitable[Any]], stop: threading.Event, what: str) -> Any:
+    """``call()``, tried again while the database is unavailable, with one warning per outage; a
+    worker waits for its database rather than exiting (until ``stop``)."""
+    from lightning_sql.store import StoreUnavailableError
+
+    delay, logged = 0.1, False
+    while True:
+        try:
+            return await call()
+        except StoreUnavailableError as exc:
+            if stop.is_set():
+                raise
+            if not logged:  # the store logged the outage once for the whole process
+                logger.debug("Worker %s: the database is unavailable: %s; retrying", what, exc)
+                logged = True
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, OUTAGE_RETRY_MAX_S)
 
 
 def run_worker(

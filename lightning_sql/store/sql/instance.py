@@ -9,6 +9,7 @@ fork handling.  Durable state lives in the database; this is the little that liv
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import os
 import threading
@@ -78,6 +79,11 @@ async def _outcome(fut: asyncio.Future[T]) -> T:
             except BaseException:  # noqa: BLE001 - the caller is cancelled anyway
                 break
         raise
+
+
+# When the public call in progress in this context must be answered by (monotonic seconds): the
+# units of one call share its connect_deadline_seconds instead of each having a fresh one.
+_call_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("lightning_sql_call_deadline", default=None)
 
 
 def _generated_run_name() -> str:
@@ -312,7 +318,9 @@ class StoreInstance:
     ) -> T:
         """Run ``unit`` on the executor in one transaction (``snapshot``: a read that must see one
         snapshot across its statements) and wait for its result, cancellation-safe."""
-        fut = worker.submit(unit, write=write, deadline_s=self.connect_deadline_seconds, snapshot=snapshot)
+        deadline_at = _call_deadline.get()
+        deadline_s = self.connect_deadline_seconds if deadline_at is None else max(deadline_at - time.monotonic(), 0.0)
+        fut = worker.submit(unit, write=write, deadline_s=deadline_s, snapshot=snapshot)
         if fut.done():  # a read that ran in this thread (SQLite): still a suspension point
             await asyncio.sleep(0)
         return await _outcome(asyncio.wrap_future(fut))
@@ -354,15 +362,20 @@ class StoreInstance:
         write: bool,
         sweeps: bool = False,
     ) -> T:
-        """Run one unit for the bound run: ``unit(ctx, run_id, now)``, after a due lazy sweep."""
+        """Run one unit for the bound run: ``unit(ctx, run_id, now)``, after a due lazy sweep.  The
+        call's ``connect_deadline_seconds`` covers all of it (schema check, sweep and unit)."""
         if write:
             self._check_writable(method)
-        worker, run_id = await self._prepare()
-        assert run_id is not None
-        if sweeps:
-            await self._maybe_sweep(worker, run_id)
-        now = self.now()
-        return await self._submit(worker, lambda ctx: unit(ctx, run_id, now), write=write)
+        token = _call_deadline.set(time.monotonic() + self.connect_deadline_seconds)
+        try:
+            worker, run_id = await self._prepare()
+            assert run_id is not None
+            if sweeps:
+                await self._maybe_sweep(worker, run_id)
+            now = self.now()
+            return await self._submit(worker, lambda ctx: unit(ctx, run_id, now), write=write)
+        finally:
+            _call_deadline.reset(token)
 
     def _sweep_due(self) -> bool:
         if self.read_only:

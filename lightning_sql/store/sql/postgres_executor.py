@@ -85,7 +85,6 @@ class PostgresExecutor(Executor):
         self._schema_lock: asyncio.Lock | None = None
         self._listener: Any = None
         self._background: set[asyncio.Task[Any]] = set()
-        self._outage_logged = False
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"lightning-sql-pg[{target.masked}]", daemon=True)
         self._thread.start()
 
@@ -180,11 +179,11 @@ class PostgresExecutor(Executor):
                 if isinstance(unit, SchemaUnit):
                     await self._ensure_schema(engine, unit)
                     return None  # type: ignore[return-value]
-                async with self._slots:
+                await self._take_slot(started + deadline_s)
+                try:
                     result = await self._once(engine, unit, write, snapshot, attempt)
-                if self._outage_logged:
-                    self._outage_logged = False
-                    logger.warning("PostgreSQL %s answers again", self.target.masked)
+                finally:
+                    self._slots.release()
                 return result
             except asyncio.CancelledError:
                 raise
@@ -200,13 +199,21 @@ class PostgresExecutor(Executor):
                     raise
                 if time.monotonic() - started > deadline_s:
                     raise unavailable(exc, self.target) from exc
-                if not self._outage_logged:
-                    self._outage_logged = True
-                    logger.warning(
-                        "PostgreSQL %s: %s; retrying until it answers", self.target.masked, _first_line(exc)
-                    )
+                self.note_transient_error(exc)
                 await asyncio.sleep(backoff(attempt))
                 attempt += 1
+
+    async def _take_slot(self, deadline: float) -> None:
+        """A turn on one of the pool's connections; the wait counts against the unit's deadline (a
+        pool held by units that the database keeps waiting means the database is not answering)."""
+        assert self._slots is not None
+        try:
+            await asyncio.wait_for(self._slots.acquire(), timeout=max(deadline - time.monotonic(), 0.0))
+        except TimeoutError:
+            raise StoreUnavailableError(
+                f"Database {self.target.masked} is unavailable: none of the {self.pool_size} pooled "
+                "connections became free before the call's deadline (connect_deadline_seconds)"
+            ) from None
 
     async def _once(self, engine: AsyncEngine, unit: Unit[T], write: bool, snapshot: bool, attempt: int) -> T:
         ctx_holder: list[UnitContext] = []
@@ -233,7 +240,14 @@ class PostgresExecutor(Executor):
                 await aconn.execution_options(isolation_level="READ COMMITTED")
             elif snapshot:
                 await aconn.execution_options(isolation_level="REPEATABLE READ", postgresql_readonly=True)
-            result = await aconn.run_sync(whole)
+            try:
+                result = await aconn.run_sync(whole)
+            except Exception as exc:
+                if classify_error(exc) == "transient":
+                    # Its connection may be broken in a way the driver does not report as a
+                    # disconnect: the pool opens a new one rather than hand this one out again.
+                    await aconn.invalidate()
+                raise
         self.after_commit(ctx_holder[0])
         return result
 
@@ -308,12 +322,6 @@ class PostgresExecutor(Executor):
 
 def _statement_name() -> str:
     return f"__lightning_sql_{uuid.uuid4().hex}__"
-
-
-def _first_line(exc: BaseException) -> str:
-    orig = getattr(exc, "orig", None) or exc
-    lines = str(orig).strip().splitlines()
-    return f"{type(orig).__name__}: {lines[0] if lines else ''}"
 
 
 def _ping_rested_connections(engine: AsyncEngine) -> None:

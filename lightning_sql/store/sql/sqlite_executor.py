@@ -390,8 +390,7 @@ class SqliteExecutor(Executor):
                     raise
                 if time.monotonic() - started > deadline_s:
                     raise unavailable(exc, self.target) from exc
-                if attempt == 0:
-                    logger.warning("SQLite %s: %s; retrying", self.target.masked, type(exc).__name__)
+                self.note_transient_error(exc)
                 time.sleep(backoff(attempt))
                 attempt += 1
 
