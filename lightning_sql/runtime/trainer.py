@@ -32,6 +32,7 @@ from lightning_sql.runtime.progress import RunProgress
 from lightning_sql.runtime.runner import LitAgentRunner, Runner
 from lightning_sql.runtime.summary import FitSummary
 from lightning_sql.runtime.tracer import NoopTracer, OtelTracer, Tracer
+from lightning_sql.store import StoreUnavailableError
 from lightning_sql.store.base import LightningStore
 from lightning_sql.types import NamedResources, RolloutConfig
 
@@ -426,12 +427,16 @@ class Trainer:
         agent.set_trainer(self)
         logger.info("Trainer: store %s, run %s", getattr(self.store, "url", self.store), self.run)
         console = Console() if self.progress or self.summary else None
-        start = asyncio.run(
-            prepare_fit(
-                self.store, self.run, algorithm, train_dataset, val_dataset, self.initial_resources,
-                accept_changes=self.accept_changes,
+        try:
+            start = asyncio.run(
+                prepare_fit(
+                    self.store, self.run, algorithm, train_dataset, val_dataset, self.initial_resources,
+                    accept_changes=self.accept_changes,
+                )
             )
-        )
+        except StoreUnavailableError as exc:
+            # Nothing has started yet: one line that names the problem, not a traceback per thread.
+            raise SystemExit(f"lightning_sql: cannot open the store: {exc}") from None
         announce_fit(start, console)
         progress = None
         if self.progress and console is not None:

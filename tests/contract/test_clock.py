@@ -236,3 +236,24 @@ async def test_clock_sync_offset_is_per_instance_and_follows_a_fake_clock(pg_bac
         assert abs(st.now() - base - 30) < 1e-6
     finally:
         await st.close()
+
+
+async def test_without_clock_sync_a_span_stamps_the_callers_time_at_call_time(backend):
+    """The Agent-Lightning bridge's convention (docs/agentlightning.md): with ``clock_sync=False``
+    an attempt's heartbeat after ``add_otel_span`` is the calling host's ``time.time()`` during the
+    call, on every backend."""
+    from opentelemetry.sdk.trace import TracerProvider
+
+    store = backend.open(run="r", clock_sync=False)
+    try:
+        ar = await store.start_rollout({"q": 1})
+        with TracerProvider().get_tracer("t").start_as_current_span("step") as otel_span:
+            pass
+        before = time.time()
+        await store.add_otel_span(ar.rollout_id, ar.attempt.attempt_id, otel_span)
+        after = time.time()
+        attempt = await store.get_latest_attempt(ar.rollout_id)
+        assert attempt is not None and attempt.last_heartbeat_time is not None
+        assert before <= attempt.last_heartbeat_time <= after
+    finally:
+        await store.close()

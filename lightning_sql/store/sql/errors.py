@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import sqlite3
 from typing import Literal
@@ -126,12 +127,41 @@ def backoff(attempt: int) -> float:
     return delay * (0.5 + random.random())
 
 
-def reason(exc: BaseException, target: DatabaseTarget) -> str:
-    """The driver's reason for ``exc`` in one line (no SQL text), with the password masked."""
+def _in_words(exc: BaseException, target: DatabaseTarget) -> str | None:
+    """What went wrong, in words, for the failures a new user meets first."""
+    chain = _chain(exc)
+    if target.path is not None:
+        folder = os.path.dirname(target.path)
+        if not os.path.isdir(folder):
+            return f"the folder {folder} does not exist (create it, or point the URL at another file)"
+        if os.path.exists(target.path) and not os.access(target.path, os.W_OK):
+            return f"the file {target.path} is read-only (open it with read_only=True, or fix its permissions)"
+        if not os.access(folder, os.W_OK) and any("readonly" in str(item) for item in chain):
+            return f"the folder {folder} is read-only: SQLite needs to create files beside the database"
+        if any("database or disk is full" in str(item) for item in chain):
+            return f"the disk holding {target.path} is full"
+    if any(isinstance(item, ConnectionRefusedError) for item in chain):
+        host, port = target.url.host or "localhost", target.url.port or 5432
+        return f"connection refused at {host}:{port} (is PostgreSQL running there?)"
+    if sqlstate(exc) in ("28P01", "28000"):
+        return f"authentication failed for user {target.url.username!r}: {_first_line(exc)}"
+    if sqlstate(exc) == "3D000":
+        return f"database {target.url.database!r} does not exist on {target.url.host or 'localhost'}"
+    return None
+
+
+def _first_line(exc: BaseException) -> str:
     orig = getattr(exc, "orig", None) or exc
     lines = str(orig).strip().splitlines()
-    text = lines[0] if lines else ""
-    out = f"{type(orig).__name__}: {text}".replace(str(target.url), target.masked)
+    return lines[0] if lines else type(orig).__name__
+
+
+def reason(exc: BaseException, target: DatabaseTarget) -> str:
+    """The reason for ``exc`` in one line (no SQL text), in words where it is a common one, with the
+    password masked."""
+    orig = getattr(exc, "orig", None) or exc
+    out = _in_words(exc, target) or f"{type(orig).__name__}: {_first_line(exc)}"
+    out = out.replace(str(target.url), target.masked)
     password = target.url.password
     if password:
         out = out.replace(str(password), "***")
