@@ -8,13 +8,17 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from sqlalchemy import make_url
 
 from lightning_sql import FINISHED_STATUSES, SqlLightningStore
 from lightning_sql.runtime.summary import FitSummary, collect_summary
+from tests.conftest import PG_URL, require_postgres
+from tests.helpers import pg_execute
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -120,3 +124,20 @@ def test_openai_agent_stores_llm_spans(tmp_path: Path) -> None:
         await store.close()
 
     asyncio.run(check())
+
+
+def test_quickstart_on_postgresql_ends_without_a_traceback(tmp_path: Path) -> None:
+    """Connections are closed on the loop that owns them, before it closes: a run on PostgreSQL
+    ends cleanly (it used to print "Exception terminating connection ... Event loop is closed")."""
+    require_postgres()
+    database = f"quickstart_{uuid.uuid4().hex[:10]}"
+    asyncio.run(pg_execute(PG_URL, f'CREATE DATABASE "{database}"'))
+    try:
+        url = make_url(PG_URL).set(database=database).render_as_string(hide_password=False)
+        run = _quickstart(url, tmp_path)
+        out, _ = run.communicate(timeout=300)
+        assert run.returncode == 0, out
+        assert f"{N_QUICKSTART_ROLLOUTS}/{N_QUICKSTART_ROLLOUTS}" in out
+        assert "Traceback" not in out and "Event loop is closed" not in out and "ERROR" not in out, out
+    finally:
+        asyncio.run(pg_execute(PG_URL, f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)'))
