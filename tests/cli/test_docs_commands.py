@@ -31,6 +31,7 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -196,11 +197,30 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _without_port(args: list[str]) -> list[str]:
+    out: list[str] = []
+    skip = False
+    for word in args:
+        if skip:
+            skip = False
+        elif word == "--port":
+            skip = True
+        elif not word.startswith("--port="):
+            out.append(word)
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 @pytest.mark.parametrize("command", COMMANDS, ids=[f"{c.where} {c.text}" for c in COMMANDS])
 def test_documented_command_runs(
     command: DocCommand, quickstart_db: Path, rollout_id: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    words = shlex.split(command.text)
+    words = shlex.split(command.text, comments=True)
     assert words[0] == "lightning-sql", command
     args = words[1:]
     if not args or args == command_path(args):
@@ -219,6 +239,8 @@ def test_documented_command_runs(
             done = subprocess.run(argv, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=60)
             assert done.returncode == 1 and "pip install 'lightning_sql[server]'" in done.stderr, (shown, done.stderr)
             return
+        if args[0] == "serve":  # on a free port: the docs' commands run side by side
+            argv = [*argv[: argv.index("serve") + 1], *_without_port(args[1:]), "--port", str(_free_port())]
         process = subprocess.Popen(argv, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             first_output(process)
@@ -266,7 +288,7 @@ def test_folders_the_docs_export_to_are_ignored_by_git() -> None:
     ignored = {line.strip() for line in (REPO / ".gitignore").read_text().splitlines()}
     folders = set()
     for command in COMMANDS:
-        words = shlex.split(command.text)
+        words = shlex.split(command.text, comments=True)
         folders |= {words[i + 1] for i, word in enumerate(words[:-1]) if word == "--to" and "/" not in words[i + 1]}
     assert folders, "no documented export command"
     assert {f"{folder}/" for folder in folders} <= ignored

@@ -34,7 +34,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 N_WORKERS = 2
 RUNNERS_PER_WORKER = 4
 WORKER_DEADLINE_S = 2.0  # the workers' --connect-timeout: each outage lasts longer
-AGENT_SECONDS = "0.1"  # tests.runtime.agents:slow_agent sleeps this long per rollout
+AGENT_SECONDS = "0.3"  # tests.runtime.agents:slow_agent sleeps this long per rollout: both outages come
+# while every worker still has rollouts to run
 OUTAGES_AT = (0.25, 0.6)  # fractions of the run done when the cluster stops
 SETTLE_S = 2.0  # after work resumes, how long a worker has to finish logging the outage
 RUN_TIMEOUT_S = 240.0  # generous

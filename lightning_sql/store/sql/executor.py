@@ -26,7 +26,6 @@ import json
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -42,8 +41,6 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 NOTIFY_CHANNEL = "lightning_sql_v1"
-OUTAGE_QUIET_S = 2.5  # a transient error this long after the previous one starts a new outage (retries
-# of a unit in an outage come at most RETRY_MAX_DELAY_S x 1.5 apart)
 
 
 def notify_channel(schema: str | None) -> str:
@@ -128,7 +125,7 @@ class Executor:
         self.pid = os.getpid()
         self.closed = False
         self.schema_ready: tuple[bool, bool] | None = None  # (auto_migrate, read_only) that succeeded
-        self._last_transient: float | None = None
+        self._in_outage = False
 
     @property
     def dialect(self) -> str:
@@ -144,15 +141,18 @@ class Executor:
     def close(self) -> None:
         raise NotImplementedError
 
-    def note_transient_error(self, exc: BaseException) -> None:
-        """Log a transient error that a unit will be retried after: one warning per outage (errors
-        less than ``OUTAGE_QUIET_S`` apart belong to the same one), whatever the number of units,
-        runners and retries it hits."""
-        now = time.monotonic()
-        if self._last_transient is None or now - self._last_transient > OUTAGE_QUIET_S:
+    def note_transient_error(self, exc: BaseException, attempt: int) -> None:
+        """Log an outage once, whatever the number of units, runners and retries it hits.  A unit's
+        first failure is not one yet (a pooled connection the server dropped fails once, and the
+        replay on a new connection succeeds): an outage starts when a replay fails too, and ends
+        at the next unit that succeeds (``note_success``)."""
+        if attempt >= 1 and not self._in_outage:
+            self._in_outage = True
             name = "PostgreSQL" if self.dialect == "postgresql" else "SQLite"
             logger.warning("%s %s: %s; retrying until it answers", name, self.target.masked, reason(exc, self.target))
-        self._last_transient = now
+
+    def note_success(self) -> None:
+        self._in_outage = False
 
     def after_commit(self, ctx: UnitContext) -> None:
         for run_id, _kind in ctx.events:

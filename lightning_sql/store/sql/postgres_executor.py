@@ -184,6 +184,7 @@ class PostgresExecutor(Executor):
                     result = await self._once(engine, unit, write, snapshot, attempt)
                 finally:
                     self._slots.release()
+                self.note_success()
                 return result
             except asyncio.CancelledError:
                 raise
@@ -199,7 +200,7 @@ class PostgresExecutor(Executor):
                     raise
                 if time.monotonic() - started > deadline_s:
                     raise unavailable(exc, self.target) from exc
-                self.note_transient_error(exc)
+                self.note_transient_error(exc, attempt)
                 await asyncio.sleep(backoff(attempt))
                 attempt += 1
 

@@ -377,7 +377,9 @@ class SqliteExecutor(Executor):
         while True:
             try:
                 with self.gate.inside():
-                    return self._try_unit(unit, attempt)
+                    result = self._try_unit(unit, attempt)
+                self.note_success()
+                return result
             except StoreUnavailableError:
                 raise
             except BaseException as exc:
@@ -390,7 +392,7 @@ class SqliteExecutor(Executor):
                     raise
                 if time.monotonic() - started > deadline_s:
                     raise unavailable(exc, self.target) from exc
-                self.note_transient_error(exc)
+                self.note_transient_error(exc, attempt)
                 time.sleep(backoff(attempt))
                 attempt += 1
 
