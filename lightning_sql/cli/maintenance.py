@@ -66,7 +66,7 @@ def check_command(run: str | None, url: str | None, schema: str | None, connect_
     db = database(url, schema)
     db.require_existing_file()
     try:
-        from lightning_sql.store.sql.check import check_url
+        from lightning_sql.checker import check_url
     except ImportError as exc:
         fail(as_json, f"the invariant checker is not available in this installation ({exc})")
     options: dict[str, Any] = {"connect_deadline_seconds": connect_timeout}

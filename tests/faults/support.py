@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning_sql import RolloutConfig, SqlLightningStore, StoreUnavailableError
-from lightning_sql.store.sql.check import check_invariants
+from lightning_sql.checker import check_invariants
 from lightning_sql.types import Span
 from tests.faults.servers import ThrowawayPostgres
 

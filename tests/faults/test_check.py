@@ -14,7 +14,7 @@ import asyncpg
 import pytest
 
 from lightning_sql import SqlLightningStore
-from lightning_sql.store.sql.check import INVARIANTS, check_invariants, check_url
+from lightning_sql.checker import INVARIANTS, check_invariants, check_url
 from tests.conftest import PG_URL, BackendSpec
 from tests.faults.support import assert_consistent, make_span
 

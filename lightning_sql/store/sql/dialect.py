@@ -34,7 +34,6 @@ from sqlalchemy import (
     Text,
     and_,
     bindparam,
-    cast,
     func,
     literal,
     select,
@@ -47,7 +46,7 @@ from sqlalchemy import (
     insert as core_insert,
 )
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.dialects.postgresql import ARRAY, JSONB
+from sqlalchemy.dialects.postgresql import ARRAY
 
 from lightning_sql.store.sql import schema as s
 from lightning_sql.store.sql.executor import EncodedJson, UnitContext
@@ -111,82 +110,6 @@ def allocate_positions(ctx: UnitContext, run_id: int, count: int) -> list[int]:
 def server_epoch(ctx: UnitContext) -> Any:
     """The database server's clock in epoch seconds (only for measuring the clock offset, §0.2)."""
     return select(func.extract("epoch", func.clock_timestamp()))
-
-
-# Rollout columns the one-statement enqueue binds as arrays, one element per new rollout (the run,
-# the status and the times are the same for every row).
-_ENQUEUE_ARRAY_COLUMNS: tuple[tuple[str, Any], ...] = (
-    ("rollout_id", Text),
-    ("input", Text),
-    ("mode", Text),
-    ("resources_id", Text),
-    ("resources_version", Integer),
-    ("timeout_seconds", postgresql.DOUBLE_PRECISION),
-    ("unresponsive_seconds", postgresql.DOUBLE_PRECISION),
-    ("max_attempts", Integer),
-    ("retry_condition", Text),
-    ("metadata", Text),
-    ("idempotency_key", Text),
-    ("queue_seq", postgresql.BIGINT),
-)
-_ENQUEUE_JSON_COLUMNS = frozenset({"input", "retry_condition", "metadata"})
-
-
-def inserts_rollouts_in_one_statement(ctx: UnitContext) -> bool:
-    """New rollouts are one INSERT of arrays (``insert_rollouts_in_one_statement``): PostgreSQL,
-    where the row-by-row form (an INSERT ... RETURNING per row) costs a round trip per rollout."""
-    return ctx.dialect == "postgresql"
-
-
-def _rollout_insert_statement() -> Any:
-    R = s.rollouts
-    given = (
-        func.unnest(*(bindparam(f"ri_{name}", type_=ARRAY(type_)) for name, type_ in _ENQUEUE_ARRAY_COLUMNS))
-        .table_valued(*(name for name, _ in _ENQUEUE_ARRAY_COLUMNS))
-        .render_derived(name="given")
-    )
-    values = [
-        cast(given.c[name], JSONB) if name in _ENQUEUE_JSON_COLUMNS else given.c[name]
-        for name, _ in _ENQUEUE_ARRAY_COLUMNS
-    ]
-    now = bindparam("ri_now", type_=Float(precision=53))
-    return (
-        postgresql.insert(R)
-        .from_select(
-            [
-                *(name for name, _ in _ENQUEUE_ARRAY_COLUMNS),
-                "run_id",
-                "status",
-                "start_time",
-                "end_time",
-                "create_seq",
-            ],
-            select(
-                *values,
-                bindparam("ri_run_id", type_=Integer),
-                literal("queuing", Text),
-                now,
-                cast(None, Float(precision=53)),
-                given.c.queue_seq,  # a new rollout's insertion position is its queue position
-            ).select_from(given),
-        )
-        .on_conflict_do_nothing()
-        .returning(R.c.rollout_id)
-    )
-
-
-def insert_rollouts_in_one_statement(
-    ctx: UnitContext, run_id: int, now: float, rows: Sequence[dict[str, Any]]
-) -> set[str]:
-    """PostgreSQL: insert the ``queuing`` rollouts ``rows`` (``rollouts.enqueue``'s values: every
-    column of ``_ENQUEUE_ARRAY_COLUMNS``, ``create_seq`` equal to ``queue_seq``) in ONE statement,
-    skipping those whose id or idempotency key exists; the ids inserted."""
-    assert inserts_rollouts_in_one_statement(ctx)
-    stmt = cached("rollout_insert_one_statement", _rollout_insert_statement)
-    params: dict[str, Any] = {"ri_run_id": run_id, "ri_now": now}
-    for name, _type in _ENQUEUE_ARRAY_COLUMNS:
-        params[f"ri_{name}"] = [row[name] for row in rows]
-    return {row[0] for row in ctx.execute(stmt, params)}
 
 
 def claim_in_one_statement(

@@ -6,13 +6,14 @@ looked up, never spliced into SQL.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import ColumnElement, Table, and_, case, false, func, literal, or_, true
+from sqlalchemy import ColumnElement, Table, and_, case, false, func, literal, or_, select, true
 
 from lightning_sql.store.sql import schema as s
+from lightning_sql.types import PaginatedResult
 
 
 @dataclass(frozen=True)
@@ -194,3 +195,27 @@ def fetch_page(
     if limit == -1 and offset == 0:
         return rows, len(rows)
     return rows, int(ctx.execute(count, params).scalar_one())
+
+
+def paginate(
+    ctx: Any,
+    stmt: Any,
+    table: Any,
+    where: list[Any],
+    order: list[Any],
+    limit: int,
+    offset: int,
+    build: Callable[[Sequence[Any]], list[Any]],
+) -> PaginatedResult[Any]:
+    """Count the matches and fetch one page in the requested order (at most two statements)."""
+    page = stmt.order_by(*order)
+    if limit != -1:
+        page = page.limit(limit)
+    if offset:
+        page = page.offset(offset)
+    rows = ctx.execute(page).all() if limit != 0 else []
+    if limit == -1 and offset == 0:
+        total = len(rows)
+    else:
+        total = int(ctx.execute(select(func.count()).select_from(table).where(*where)).scalar_one())
+    return PaginatedResult(items=build(rows), limit=limit, offset=offset, total=total)

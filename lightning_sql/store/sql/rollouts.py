@@ -185,14 +185,11 @@ def enqueue(ctx: UnitContext, run_id: int, now: float, items: Sequence[NewRollou
                     "create_seq": pos,
                 }
             )
-        if d.inserts_rollouts_in_one_statement(ctx):
-            inserted = d.insert_rollouts_in_one_statement(ctx, run_id, now, params)
-        else:
-            insert_rollouts = cached(
-                ("enqueue_insert", ctx.dialect),
-                lambda: d.insert(ctx, R).on_conflict_do_nothing().returning(R.c.rollout_id),
-            )
-            inserted = {row[0] for row in ctx.execute(insert_rollouts, params)}
+        insert_rollouts = cached(
+            ("enqueue_insert", ctx.dialect),
+            lambda: d.insert(ctx, R).on_conflict_do_nothing().returning(R.c.rollout_id),
+        )
+        inserted = {row[0] for row in ctx.execute(insert_rollouts, params)}
         for item, p in zip(fresh, params, strict=True):
             if item.rollout_id in inserted:
                 created[item.rollout_id] = Rollout.model_construct(

@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal, TypeVar
 
 from opentelemetry.sdk.trace import ReadableSpan
-from sqlalchemy import func, select
+from sqlalchemy import select
 
 from lightning_sql.store.base import LightningStore
-from lightning_sql.store.sql import attempts, claims
+from lightning_sql.store.sql import attempts, claims, validation
 from lightning_sql.store.sql import dialect as d
 from lightning_sql.store.sql import filters as f
 from lightning_sql.store.sql import resources as res_units
@@ -37,7 +36,6 @@ from lightning_sql.store.sql.rows import (
     encoded,
     resources_from_row,
     span_values,
-    worker_from_row,
 )
 from lightning_sql.types import (
     UNSET,
@@ -63,7 +61,6 @@ from lightning_sql.types import (
     is_storable_text,
     new_attempt_id,
     new_resources_id,
-    new_rollout_id,
 )
 
 logger = logging.getLogger(__name__)
@@ -75,79 +72,10 @@ WAIT_FALLBACK_POLL_S = 1.0
 # Shortest pause between a wait's reads when a burst of wake-ups arrives.
 WAIT_MIN_INTERVAL_S = 0.005
 
-_ROLLOUT_STATUSES = ("queuing", "preparing", "running", "failed", "succeeded", "cancelled", "requeuing")
-_ATTEMPT_STATUSES = ("preparing", "running", "failed", "succeeded", "unresponsive", "timeout")
-_MODES = ("train", "val", "test")
-_WORKER_STATUSES = ("idle", "busy", "unknown")
-
-
-def _invalid_rollout_field(field: str, value: Any, model: str = "Rollout") -> None:
-    """Raise pydantic's ValidationError for a value a model field cannot take (as upstream), or a
-    ``TypeError`` naming the field when pydantic would coerce it (e.g. pairs into a dict)."""
-    if model == "Attempt":
-        Attempt.model_validate({"rollout_id": "x", "attempt_id": "y", "sequence_id": 1, "start_time": 0.0, field: value})
-    else:
-        Rollout.model_validate({"rollout_id": "x", "input": None, "start_time": 0.0, field: value})
-    raise TypeError(f"{field} must be a dict or None, got a value of type {type(value).__name__}")
-
-
-def _validate_literal(value: Any, allowed: Sequence[str], field: str, model: str) -> None:
-    if value not in allowed:
-        from pydantic import ValidationError
-
-        # Validate through the model so the caller gets pydantic's ValidationError, as upstream.
-        if model == "Rollout":
-            Rollout.model_validate({"rollout_id": "x", "input": None, "start_time": 0.0, field: value})
-        elif model == "Attempt":
-            Attempt.model_validate(
-                {"rollout_id": "x", "attempt_id": "y", "sequence_id": 1, "start_time": 0.0, field: value}
-            )
-        raise ValidationError.from_exception_data(model, [])  # pragma: no cover - unreachable
-
-
 class SqlLightningStore(StoreInstance, LightningStore):
     """A ``LightningStore`` persisted in SQLite or PostgreSQL, bound to one named run."""
 
     # --- rollouts -------------------------------------------------------------------------------
-
-    def _new_rollout(
-        self,
-        input: Any,
-        mode: Any,
-        resources_id: Any,
-        config: Any,
-        metadata: Any,
-        idempotency_key: Any,
-        where: str = "",
-    ) -> ro.NewRollout:
-        if mode is not None:
-            _validate_literal(mode, _MODES, "mode", "Rollout")
-        if resources_id is not None:
-            check_text(resources_id, f"{where}resources_id")
-        if config is None:
-            config = self.default_rollout_config.model_copy(deep=True) if self.default_rollout_config else RolloutConfig()
-        elif isinstance(config, RolloutConfig):
-            config = config.model_copy(deep=True)
-        else:
-            config = RolloutConfig.model_validate(config)
-        if metadata is not None and not isinstance(metadata, dict):
-            _invalid_rollout_field("metadata", metadata)
-        metadata_value = dict(metadata) if metadata is not None else {}
-        if idempotency_key is not None:
-            if not isinstance(idempotency_key, str) or not idempotency_key:
-                raise ValueError(f"{where}idempotency_key must be a non-empty str or None, got {idempotency_key!r}")
-            check_text(idempotency_key, f"{where}idempotency_key")
-        return ro.NewRollout(
-            rollout_id=new_rollout_id(),
-            input=encoded(input, f"{where}input"),
-            mode=mode,
-            resources_id=resources_id,
-            config=config,
-            metadata=encoded(metadata_value, f"{where}metadata"),
-            idempotency_key=idempotency_key,
-            input_value=_json_roundtrip_value(input),
-            metadata_value=metadata_value,
-        )
 
     async def start_rollout(
         self,
@@ -159,7 +87,7 @@ class SqlLightningStore(StoreInstance, LightningStore):
         worker_id: str | None = None,
     ) -> AttemptedRollout:
         self._check_writable("start_rollout")
-        item = self._new_rollout(input, mode, resources_id, config, metadata, None)
+        item = validation.new_rollout(self.default_rollout_config, input, mode, resources_id, config, metadata, None)
         if worker_id is not None:
             check_text(worker_id, "worker_id")
         attempt_id = new_attempt_id()
@@ -181,7 +109,7 @@ class SqlLightningStore(StoreInstance, LightningStore):
         idempotency_key: str | None = None,
     ) -> Rollout:
         self._check_writable("enqueue_rollout")
-        item = self._new_rollout(input, mode, resources_id, config, metadata, idempotency_key)
+        item = validation.new_rollout(self.default_rollout_config, input, mode, resources_id, config, metadata, idempotency_key)
         (result,) = await self._call(
             "enqueue_rollout", lambda ctx, run_id, now: ro.enqueue(ctx, run_id, now, [item]), write=True, sweeps=True
         )
@@ -194,7 +122,7 @@ class SqlLightningStore(StoreInstance, LightningStore):
             if not isinstance(req, EnqueueRolloutRequest):
                 req = EnqueueRolloutRequest.model_validate(req)
             items.append(
-                self._new_rollout(
+                validation.new_rollout(self.default_rollout_config,
                     req.input, req.mode, req.resources_id, req.config, req.metadata, req.idempotency_key, f"requests[{i}]."
                 )
             )
@@ -252,30 +180,7 @@ class SqlLightningStore(StoreInstance, LightningStore):
         metadata: dict[str, Any] | None | Unset = UNSET,
     ) -> Rollout:
         self._check_writable("update_rollout")
-        changes: dict[str, Any] = {}
-        if not isinstance(input, Unset):
-            changes["input"] = encoded(input, "input")
-        if not isinstance(mode, Unset):
-            if mode is not None:
-                _validate_literal(mode, _MODES, "mode", "Rollout")
-            changes["mode"] = mode
-        if not isinstance(resources_id, Unset):
-            if resources_id is not None:
-                check_text(resources_id, "resources_id")
-            changes["resources_id"] = resources_id
-        if not isinstance(status, Unset):
-            _validate_literal(status, _ROLLOUT_STATUSES, "status", "Rollout")
-            changes["status"] = status
-        if not isinstance(config, Unset):
-            if not isinstance(config, RolloutConfig):
-                config = Rollout.model_validate(
-                    {"rollout_id": "x", "input": None, "start_time": 0.0, "config": config}
-                ).config
-            changes["config"] = config
-        if not isinstance(metadata, Unset):
-            if metadata is not None and not isinstance(metadata, dict):
-                _invalid_rollout_field("metadata", metadata)
-            changes["metadata"] = encoded(metadata, "metadata")
+        changes = validation.rollout_changes(input, mode, resources_id, status, config, metadata)
         if not is_storable_text(rollout_id):
             raise ValueError(f"Item does not exist with primary key(s): rollout_id='{rollout_id}'")
         return await self._call(
@@ -295,30 +200,7 @@ class SqlLightningStore(StoreInstance, LightningStore):
         metadata: dict[str, Any] | Unset = UNSET,
     ) -> Attempt:
         self._check_writable("update_attempt")
-        changes: dict[str, Any] = {}
-        if not isinstance(status, Unset):
-            _validate_literal(status, _ATTEMPT_STATUSES, "status", "Attempt")
-            changes["status"] = status
-        if not isinstance(worker_id, Unset):
-            if worker_id is not None:
-                check_text(worker_id, "worker_id")
-            changes["worker_id"] = worker_id
-        if not isinstance(last_heartbeat_time, Unset):
-            if last_heartbeat_time is not None and (
-                isinstance(last_heartbeat_time, bool) or not isinstance(last_heartbeat_time, (int, float))
-            ):
-                Attempt.model_validate(
-                    {"rollout_id": "x", "attempt_id": "y", "sequence_id": 1, "start_time": 0.0,
-                     "last_heartbeat_time": last_heartbeat_time}
-                )
-                last_heartbeat_time = float(last_heartbeat_time)  # pydantic accepted it as a number
-            if last_heartbeat_time is not None and not math.isfinite(last_heartbeat_time):
-                raise ValueError(f"last_heartbeat_time must be a finite number, got {last_heartbeat_time!r}")
-            changes["last_heartbeat_time"] = None if last_heartbeat_time is None else float(last_heartbeat_time)
-        if not isinstance(metadata, Unset):
-            if metadata is not None and not isinstance(metadata, dict):
-                _invalid_rollout_field("metadata", metadata, "Attempt")
-            changes["metadata"] = encoded(metadata, "metadata")
+        changes = validation.attempt_changes(status, worker_id, last_heartbeat_time, metadata)
         self._check_ids_for_attempt(rollout_id, attempt_id)
         return await self._call(
             "update_attempt",
@@ -420,7 +302,7 @@ class SqlLightningStore(StoreInstance, LightningStore):
         def unit(ctx: UnitContext, run_id: int, now: float) -> PaginatedResult[Attempt]:
             A = s.attempts
             where = [A.c.run_id == run_id, A.c.rollout_id == rollout_id if storable else f.false()]
-            return _paginate(
+            return f.paginate(
                 ctx,
                 select(A).where(*where),
                 A,
@@ -708,7 +590,7 @@ class SqlLightningStore(StoreInstance, LightningStore):
                     if is_storable_text(resources_id_contains)
                     else f.false()
                 )
-            return _paginate(
+            return f.paginate(
                 ctx,
                 select(RS).where(*where),
                 RS,
@@ -762,26 +644,8 @@ class SqlLightningStore(StoreInstance, LightningStore):
         status_list = f.check_str_list(status_in, "status_in")
 
         def unit(ctx: UnitContext, run_id: int, now: float) -> PaginatedResult[Worker]:
-            W = s.workers
-            conditions = []
-            if status_list is not None:
-                conditions.append(f.within(W.c.status, status_list))
-            if worker_id_contains is not None:
-                conditions.append(
-                    d.contains(ctx, W.c.worker_id, worker_id_contains) if is_storable_text(worker_id_contains) else f.false()
-                )
-            where = [W.c.run_id == run_id]
-            if conditions:
-                where.append(f.pool(conditions, filter_logic))
-            return _paginate(
-                ctx,
-                select(W).where(*where),
-                W,
-                where,
-                f.order_by(f.WORKER_SORT, sort_by, sort_order),
-                limit,
-                offset,
-                lambda rows: [worker_from_row(r) for r in rows],
+            return worker_units.query_workers(
+                ctx, run_id, status_list, worker_id_contains, filter_logic, sort_by, sort_order, limit, offset
             )
 
         return await self._call("query_workers", unit, write=False, sweeps=True)
@@ -834,37 +698,3 @@ class SqlLightningStore(StoreInstance, LightningStore):
         if name == self._run_name:
             self._run_id = None
         return True
-
-def _json_roundtrip_value(value: Any) -> Any:
-    """What a JSON value reads back as (tuples become lists), without encoding it again."""
-    if isinstance(value, tuple | list):
-        return [_json_roundtrip_value(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _json_roundtrip_value(v) for k, v in value.items()}
-    return value
-
-
-def _paginate(
-    ctx: UnitContext,
-    stmt: Any,
-    table: Any,
-    where: list[Any],
-    order: list[Any],
-    limit: int,
-    offset: int,
-    build: Callable[[Sequence[Any]], list[Any]],
-) -> PaginatedResult[Any]:
-    """Count the matches and fetch one page in the requested order (at most two statements)."""
-    page = stmt.order_by(*order)
-    if limit != -1:
-        page = page.limit(limit)
-    if offset:
-        page = page.offset(offset)
-    rows = ctx.execute(page).all() if limit != 0 else []
-    if limit == -1 and offset == 0:
-        total = len(rows)
-    else:
-        total = int(ctx.execute(select(func.count()).select_from(table).where(*where)).scalar_one())
-    return PaginatedResult(items=build(rows), limit=limit, offset=offset, total=total)
-
-

@@ -7,11 +7,12 @@ from typing import Any
 from sqlalchemy import bindparam, case, select
 
 from lightning_sql.store.sql import dialect as d
+from lightning_sql.store.sql import filters as f
 from lightning_sql.store.sql import schema as s
 from lightning_sql.store.sql.executor import EncodedJson, UnitContext
 from lightning_sql.store.sql.rows import worker_from_row
 from lightning_sql.store.sql.statements import cached
-from lightning_sql.types import Worker
+from lightning_sql.types import PaginatedResult, Worker, is_storable_text
 
 W = s.workers
 
@@ -143,3 +144,38 @@ def get_worker(ctx: UnitContext, run_id: int, worker_id: str) -> Worker | None:
     )
     row = ctx.execute(stmt, {"w_run_id": run_id, "w_worker_id": worker_id}).first()
     return worker_from_row(row) if row is not None else None
+
+
+def query_workers(
+    ctx: UnitContext,
+    run_id: int,
+    status_list: list[str] | None,
+    worker_id_contains: str | None,
+    filter_logic: str,
+    sort_by: str | None,
+    sort_order: str,
+    limit: int,
+    offset: int,
+) -> PaginatedResult[Worker]:
+    """One page of the run's workers."""
+    W = s.workers
+    conditions = []
+    if status_list is not None:
+        conditions.append(f.within(W.c.status, status_list))
+    if worker_id_contains is not None:
+        conditions.append(
+            d.contains(ctx, W.c.worker_id, worker_id_contains) if is_storable_text(worker_id_contains) else f.false()
+        )
+    where = [W.c.run_id == run_id]
+    if conditions:
+        where.append(f.pool(conditions, filter_logic))
+    return f.paginate(
+        ctx,
+        select(W).where(*where),
+        W,
+        where,
+        f.order_by(f.WORKER_SORT, sort_by, sort_order),
+        limit,
+        offset,
+        lambda rows: [worker_from_row(r) for r in rows],
+    )
