@@ -94,8 +94,10 @@ _THREADED_CODES = frozenset(
 
 
 def _called_from_threaded_wrapper(depth: int) -> bool:
-    frame = sys._getframe(depth + 1)
-    return frame.f_code in _THREADED_CODES
+    frame = inspect.currentframe()
+    for _ in range(depth + 1):
+        frame = frame.f_back if frame is not None else None
+    return frame is not None and frame.f_code in _THREADED_CODES
 
 
 class _BlockingRunner:
