@@ -35,10 +35,11 @@ def _closed_port() -> int:
     ("url", "says"),
     [
         ("sqlite:////nonexistent-folder-of-lightning-sql/run.db", "the folder /nonexistent-folder-of-lightning-sql does not exist"),
-        (f"postgresql://postgres@127.0.0.1:{_closed_port()}/postgres", "connection refused at 127.0.0.1:"),
+        ("postgresql://postgres@127.0.0.1:{port}/postgres", "connection refused at 127.0.0.1:"),
     ],
 )
 def test_an_unreachable_store_is_one_error_in_words(tmp_path: Path, url: str, says: str) -> None:
+    url = url.format(port=_closed_port())  # here, not at collection: every xdist worker collects alike
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run(
         [sys.executable, "-c", SCRIPT, url], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
