@@ -335,9 +335,12 @@ class LitAgentRunner(Runner[T_task]):
         try:
             done = 0
             while not _stopped(event) and (self.max_rollouts is None or done < self.max_rollouts):
-                rollout = await self._through_outages(
-                    "claiming", lambda: store.dequeue_rollout(worker_id=self.worker_name), event
-                )
+                try:
+                    rollout = await self._through_outages(
+                        "claiming", lambda: store.dequeue_rollout(worker_id=self.worker_name), event
+                    )
+                except StoreUnavailableError:
+                    break  # told to stop during an outage: nothing was claimed
                 if rollout is None:
                     await self._wait_for_work(event)
                     continue

@@ -81,7 +81,7 @@ async def run_worker_async(
     finished and none of its rollouts is queued or running (checked every ``poll_interval``).
     ``on_start`` receives one line (masked URL, run, n, agent) once the run is known to exist.
     """
-    from lightning_sql.store import SqlLightningStore
+    from lightning_sql.store import SqlLightningStore, StoreUnavailableError
 
     run = run or os.environ.get("LIGHTNING_SQL_RUN")
     if not run:
@@ -116,7 +116,11 @@ async def run_worker_async(
             runners.append(runner)
         watcher = None if forever else asyncio.ensure_future(_stop_when_run_is_done(store, run, stop, poll_interval))
         try:
-            await asyncio.gather(*(r.iter(event=stop) for r in runners))
+            outcomes = await asyncio.gather(*(r.iter(event=stop) for r in runners), return_exceptions=True)
+            for outcome in outcomes:
+                # Told to stop while the database was unavailable: the leases recover the rest.
+                if isinstance(outcome, BaseException) and not (stop.is_set() and isinstance(outcome, StoreUnavailableError)):
+                    raise outcome
         finally:
             if watcher is not None:
                 watcher.cancel()

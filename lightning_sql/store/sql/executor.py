@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -41,6 +42,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 NOTIFY_CHANNEL = "lightning_sql_v1"
+OUTAGE_QUIET_S = 1.5  # an outage ends once no replay has failed for this long
 
 
 def notify_channel(schema: str | None) -> str:
@@ -125,7 +127,7 @@ class Executor:
         self.pid = os.getpid()
         self.closed = False
         self.schema_ready: tuple[bool, bool] | None = None  # (auto_migrate, read_only) that succeeded
-        self._in_outage = False
+        self._last_failed_replay: float | None = None
 
     @property
     def dialect(self) -> str:
@@ -143,16 +145,17 @@ class Executor:
 
     def note_transient_error(self, exc: BaseException, attempt: int) -> None:
         """Log an outage once, whatever the number of units, runners and retries it hits.  A unit's
-        first failure is not one yet (a pooled connection the server dropped fails once, and the
-        replay on a new connection succeeds): an outage starts when a replay fails too, and ends
-        at the next unit that succeeds (``note_success``)."""
-        if attempt >= 1 and not self._in_outage:
-            self._in_outage = True
+        first failure is not one (a pooled connection the server dropped fails once, and the replay
+        on a new connection succeeds): an outage is replays failing, and it lasts until none has
+        failed for ``OUTAGE_QUIET_S`` (connection slots taken by other processes fail some replays
+        and let others through: one outage, not one per success in between)."""
+        if attempt < 1:
+            return
+        now = time.monotonic()
+        if self._last_failed_replay is None or now - self._last_failed_replay > OUTAGE_QUIET_S:
             name = "PostgreSQL" if self.dialect == "postgresql" else "SQLite"
             logger.warning("%s %s: %s; retrying until it answers", name, self.target.masked, reason(exc, self.target))
-
-    def note_success(self) -> None:
-        self._in_outage = False
+        self._last_failed_replay = now
 
     def after_commit(self, ctx: UnitContext) -> None:
         for run_id, _kind in ctx.events:

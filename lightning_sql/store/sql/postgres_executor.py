@@ -184,7 +184,6 @@ class PostgresExecutor(Executor):
                     result = await self._once(engine, unit, write, snapshot, attempt)
                 finally:
                     self._slots.release()
-                self.note_success()
                 return result
             except asyncio.CancelledError:
                 raise

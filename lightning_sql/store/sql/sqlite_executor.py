@@ -377,9 +377,7 @@ class SqliteExecutor(Executor):
         while True:
             try:
                 with self.gate.inside():
-                    result = self._try_unit(unit, attempt)
-                self.note_success()
-                return result
+                    return self._try_unit(unit, attempt)
             except StoreUnavailableError:
                 raise
             except BaseException as exc:
