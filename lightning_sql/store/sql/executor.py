@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy import Connection
 
-from lightning_sql.store.sql.errors import reason
+from lightning_sql.store.sql.errors import classify_error, denied, reason, unavailable
 from lightning_sql.store.sql.urls import DatabaseTarget
 from lightning_sql.store.sql.waits import WaitHub
 
@@ -142,6 +142,23 @@ class Executor:
 
     def close(self) -> None:
         raise NotImplementedError
+
+    def replayable(self, exc: BaseException, started: float, deadline_s: float, attempt: int) -> bool:
+        """Whether a unit that raised ``exc`` on try ``attempt`` is replayed after a back-off; False
+        for its own error (the caller re-raises it).  Raises ``StoreUnavailableError`` for a
+        database that cannot answer (now, or not before the deadline) and ``PermissionError`` for a
+        role that may not do this."""
+        kind = classify_error(exc)
+        if kind == "unavailable":
+            raise unavailable(exc, self.target) from exc
+        if kind == "denied":
+            raise denied(exc, self.target) from exc
+        if kind != "transient":
+            return False
+        if time.monotonic() - started > deadline_s:
+            raise unavailable(exc, self.target) from exc
+        self.note_transient_error(exc, attempt)
+        return True
 
     def note_transient_error(self, exc: BaseException, attempt: int) -> None:
         """Log an outage once, whatever the number of units, runners and retries it hits.  A unit's

@@ -34,7 +34,7 @@ from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from lightning_sql.store.sql import migrate
-from lightning_sql.store.sql.errors import StoreUnavailableError, backoff, classify_error, denied, unavailable
+from lightning_sql.store.sql.errors import StoreUnavailableError, backoff, classify_error
 from lightning_sql.store.sql.executor import (
     Executor,
     SchemaUnit,
@@ -190,16 +190,8 @@ class PostgresExecutor(Executor):
             except StoreUnavailableError:
                 raise
             except BaseException as exc:
-                kind = classify_error(exc)
-                if kind == "unavailable":
-                    raise unavailable(exc, self.target) from exc
-                if kind == "denied":
-                    raise denied(exc, self.target) from exc
-                if kind != "transient":
+                if not self.replayable(exc, started, deadline_s, attempt):
                     raise
-                if time.monotonic() - started > deadline_s:
-                    raise unavailable(exc, self.target) from exc
-                self.note_transient_error(exc, attempt)
                 await asyncio.sleep(backoff(attempt))
                 attempt += 1
 

@@ -32,7 +32,7 @@ from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.pool import StaticPool
 
 from lightning_sql.store.sql import migrate
-from lightning_sql.store.sql.errors import StoreUnavailableError, backoff, classify_error, denied, unavailable
+from lightning_sql.store.sql.errors import StoreUnavailableError, backoff, classify_error, unavailable
 from lightning_sql.store.sql.executor import Executor, SchemaUnit, Unit, UnitContext, json_serializer
 from lightning_sql.store.sql.rows import json_deserializer
 from lightning_sql.store.sql.urls import DatabaseTarget
@@ -381,16 +381,8 @@ class SqliteExecutor(Executor):
             except StoreUnavailableError:
                 raise
             except BaseException as exc:
-                kind = classify_error(exc)
-                if kind == "unavailable":
-                    raise unavailable(exc, self.target) from exc
-                if kind == "denied":
-                    raise denied(exc, self.target) from exc
-                if kind != "transient":
+                if not self.replayable(exc, started, deadline_s, attempt):
                     raise
-                if time.monotonic() - started > deadline_s:
-                    raise unavailable(exc, self.target) from exc
-                self.note_transient_error(exc, attempt)
                 time.sleep(backoff(attempt))
                 attempt += 1
 
