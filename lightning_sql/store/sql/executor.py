@@ -1,20 +1,11 @@
 """How a unit of work reaches the database: the interface both executors implement.
 
 A *unit* is a plain sync function over a ``UnitContext`` (a SQLAlchemy ``Connection`` and the events
-it wants announced), written once for both dialects.  An executor runs it in ONE transaction and
-hands back its result through a ``concurrent.futures.Future``, so that any thread or event loop can
-wait for it.  There is one executor per process and database, shared by every store instance on
-that database in that process (``acquire_executor``):
-
-* ``sqlite_executor.SqliteExecutor``: a writer thread with group commit, reads on WAL reader
-  connections;
-* ``postgres_executor.PostgresExecutor``: a thread running an event loop that owns an asyncpg pool
-  of ``pool_size`` connections and one LISTEN connection.
-
-Both replay a unit after a transient error (``errors.classify_error``) with back-off, and turn a
-database that stays unreachable past ``connect_deadline_seconds`` into ``StoreUnavailableError``.
-Units are replay-safe: their ids and "now" are decided before the first try, and ``ctx.attempt``
-tells a replay to look for what an earlier try may have committed.
+it wants announced), written once for both dialects.  An executor runs it in ONE transaction, replays
+it after a transient error until the call's deadline, and settles a ``concurrent.futures.Future``
+with its result; there is one executor per process and database (``acquire_executor``).  Units are
+replay-safe: ids and "now" are decided before the first try, and ``ctx.attempt`` tells a replay to
+look for what an earlier try may have committed.  docs/architecture.md §7 describes both executors.
 """
 
 from __future__ import annotations

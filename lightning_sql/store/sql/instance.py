@@ -86,6 +86,12 @@ async def _outcome(fut: asyncio.Future[T]) -> T:
 _call_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("lightning_sql_call_deadline", default=None)
 
 
+_PER_PROCESS_STATE = frozenset(
+    "_created_monotonic _pid _worker _run_id _offset _offset_measured_at _last_sweep _last_analyze_check "
+    "_sweep_lock _sweeping _attach_lock _closed _waits _close_count".split()
+)
+
+
 def _generated_run_name() -> str:
     return f"run-{datetime.now().strftime('%Y%m%d-%H%M%S')}-{generate_id(4)}"
 
@@ -186,6 +192,7 @@ class StoreInstance:
         self._init_runtime_state()
 
     def _init_runtime_state(self) -> None:
+        # Per-process state (_PER_PROCESS_STATE): rebuilt here in an unpickled copy, never pickled.
         self._created_monotonic = time.monotonic()
         self._pid = os.getpid()
         self._worker: Executor | None = None
@@ -207,28 +214,7 @@ class StoreInstance:
     def __getstate__(self) -> dict[str, Any]:
         if self._target.kind == "sqlite-memory":
             raise TypeError(f"An in-memory SQLite store ({self._target.masked}) cannot be pickled: a copy could not see its data")
-        state = {
-            k: v
-            for k, v in self.__dict__.items()
-            if k
-            not in (
-                "_worker",
-                "_sweep_lock",
-                "_attach_lock",
-                "_run_id",
-                "_offset",
-                "_offset_measured_at",
-                "_last_sweep",
-                "_last_analyze_check",
-                "_sweeping",
-                "_pid",
-                "_created_monotonic",
-                "_closed",
-                "_waits",
-                "_close_count",
-            )
-        }
-        return state
+        return {k: v for k, v in self.__dict__.items() if k not in _PER_PROCESS_STATE}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)

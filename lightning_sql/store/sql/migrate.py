@@ -1,33 +1,21 @@
-"""Programmatic Alembic: create, upgrade, downgrade, check and guard the lightning_sql schema.
+"""Programmatic Alembic: create, upgrade, downgrade, check and guard the lightning_sql schema
+(docs/architecture.md §9: locking, and the ``lightning_sql_compat`` marker that lets older code
+refuse a schema it must not use).
 
-docs/architecture.md §9 and docs/store-contract.md §4 (``auto_migrate``, ``read_only``, ``schema``).  Every function takes
-a sync :class:`~sqlalchemy.engine.Connection` that is already inside the caller's transaction (on
-PostgreSQL typically the facade that ``AsyncConnection.run_sync`` hands over); nothing here commits,
-rolls back or closes it, and Alembic is configured without logging setup (no ``fileConfig``).
-
-Locking.  On PostgreSQL whatever may migrate first takes ``pg_advisory_xact_lock(MIGRATION_LOCK_KEY)``
-(released when the caller's transaction ends) and re-reads the version under it; the transaction
-must be READ COMMITTED (PostgreSQL's default) so the re-read sees a migration another process
-committed meanwhile.  On SQLite the caller holds :func:`migration_file_lock` on
-``<database file>.migrate.lock`` and has begun ``BEGIN IMMEDIATE``; it must also switch
-``PRAGMA foreign_keys`` OFF *before* beginning (the pragma is a no-op inside a transaction), because
-batch-mode revisions rebuild tables, and :func:`upgrade` runs ``PRAGMA foreign_key_check`` after.
-
-Compatibility of older code with a newer schema.  Revisions are additive by policy, so code keeps
-working against a schema newer than it knows, unless a revision module declares
-``compatible_with_older_code = False``.  Code cannot read flags of revisions it does not ship, so
-the database records the answer: after every upgrade or downgrade, env.py writes into the one-row
-table ``lightning_sql_compat`` the newest applied revision that declares itself incompatible (the
-base revision when none does) as ``min_code_revision``.  Code refuses a database whose
-``min_code_revision`` it does not know, i.e. code older than that revision.
+Every function takes a sync ``Connection`` already inside the caller's transaction and never commits,
+rolls back or closes it.  Whatever may migrate first holds the migration lock and re-reads the version
+under it: on PostgreSQL ``pg_advisory_xact_lock(MIGRATION_LOCK_KEY)`` in a READ COMMITTED transaction
+(so the re-read sees another process's migration); on SQLite ``migration_file_lock`` and ``BEGIN
+IMMEDIATE``, with ``PRAGMA foreign_keys`` switched OFF before the transaction begins (batch revisions
+rebuild tables; ``upgrade`` runs ``foreign_key_check`` after).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
@@ -217,11 +205,11 @@ def migration_file_lock(database_path: str | os.PathLike[str]) -> Iterator[None]
     """Hold the exclusive SQLite migration lock on ``<database_path>.migrate.lock`` (blocking)."""
     lock_path = f"{os.fspath(database_path)}.migrate.lock"
     with open(lock_path, "a+b") as lock_file:
-        _lock_file(lock_file.fileno())
+        fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX)
         try:
             yield
         finally:
-            _unlock_file(lock_file.fileno())
+            fcntl.flock(lock_file.fileno(), fcntl.LOCK_UN)
 
 
 # -- used by migrations/env.py ----------------------------------------------------------------------
@@ -527,29 +515,3 @@ def _require_sqlite_foreign_keys_off(conn: Connection) -> None:
             "PRAGMA foreign_keys is ON: switch it OFF before beginning the migrating transaction "
             "(the pragma cannot change inside one) and back ON after it commits"
         )
-
-
-if sys.platform == "win32":  # pragma: no cover - exercised on Windows only
-    import msvcrt
-
-    def _lock_file(fd: int) -> None:
-        os.lseek(fd, 0, os.SEEK_SET)
-        while True:
-            try:
-                msvcrt.locking(fd, msvcrt.LK_LOCK, 1)
-                return
-            except OSError:  # LK_LOCK gives up after ~10 s; keep waiting like flock does
-                continue
-
-    def _unlock_file(fd: int) -> None:
-        os.lseek(fd, 0, os.SEEK_SET)
-        msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)
-
-else:
-    import fcntl
-
-    def _lock_file(fd: int) -> None:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-
-    def _unlock_file(fd: int) -> None:
-        fcntl.flock(fd, fcntl.LOCK_UN)

@@ -1,22 +1,9 @@
-"""The PostgreSQL executor: one I/O thread per process and database, running an event loop that
-owns a SQLAlchemy ``AsyncEngine`` on asyncpg.
-
-* **A connection budget.** The pool holds at most ``pool_size`` connections (no overflow) and the
-  executor one more for LISTEN: ``pool_size + 1`` per process, whatever the number of store
-  instances, runners and threads.  Units wait for a connection in FIFO order on a semaphore of
-  ``pool_size`` (never on the pool's timeout).
-* **A unit is one transaction** run through ``AsyncConnection.run_sync``.  Reads run without a
-  transaction (``AUTOCOMMIT``: under READ COMMITTED each statement has its own snapshot anyway, and
-  it saves the BEGIN and COMMIT round trips); a ``snapshot`` read runs in one REPEATABLE READ READ
-  ONLY transaction.  A write's events are sent with ``pg_notify`` inside its transaction, so that the
-  COMMIT delivers them.
-* **Transient means transient.** Lost connections, too many connections (53300), a server starting
-  or shutting down, cancelled statements, deadlocks and serialization failures replay the unit with
-  back-off until ``connect_deadline_seconds``; one warning is logged per outage.
-* **Wake-ups.** LISTEN on the store's channel, on a connection of its own (``listen_url`` may name
-  another server address, e.g. the database itself when the pool goes through PgBouncer in
-  transaction mode).  With ``listen=False`` the executor wakes waiters every
-  ``PG_POLL_INTERVAL_S`` instead.
+"""The PostgreSQL executor (docs/architecture.md §7): one I/O thread per process and database, running
+an event loop that owns a SQLAlchemy ``AsyncEngine`` on asyncpg with at most ``pool_size`` pooled
+connections (units wait for one in FIFO order) and one LISTEN connection.  A unit is one transaction
+run through ``AsyncConnection.run_sync``; reads run in autocommit, a ``snapshot`` read in one
+REPEATABLE READ READ ONLY transaction; a write's events go out with ``pg_notify`` inside its
+transaction, so the COMMIT delivers them.
 """
 
 from __future__ import annotations

@@ -1,18 +1,7 @@
-"""The SQLite executor: one writer thread with group commit, and WAL readers in the callers' threads.
-
-* **Writes** go to the writer thread, which owns the database's one writer connection (stdlib
-  ``sqlite3`` through SQLAlchemy's pysqlite dialect, ``BEGIN IMMEDIATE``).  The write units already
-  waiting when the thread takes one run together in one transaction, each in its own savepoint, so
-  one failing unit does not fail the others (group commit: one fsync for many small writes).  When
-  the shared transaction itself fails, its units are replayed one by one.
-* **Reads** of a file run in the calling thread, on that thread's reader connection: WAL readers
-  never wait for the writer, and a point read costs less than a hop to another thread.  A read that
-  meets a lock is handed to the writer thread, which waits and retries.  An in-memory database has
-  one connection, so its reads go to the writer thread too.
-* **Other processes' commits** wake this process's waiters through ``PRAGMA data_version``, polled
-  by the writer thread while someone waits.
-* **fork()** waits until no thread of this process is inside SQLite: a fork inside SQLite would copy
-  its process-wide mutexes locked into the child.
+"""The SQLite executor (docs/architecture.md §7): one writer thread with group commit, WAL readers in
+the callers' threads, ``PRAGMA data_version`` polling for other processes' commits, and a fork gate:
+``fork()`` waits until no thread of this process is inside SQLite, whose process-wide mutexes a fork
+would copy locked into the child.
 """
 
 from __future__ import annotations
@@ -20,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
+import os
 import queue
 import sqlite3
 import threading
@@ -520,8 +510,6 @@ def _after_fork_in_child() -> None:
     _closed_for_fork.clear()
     _EXECUTORS.clear()
 
-
-import os  # noqa: E402 - kept beside its only use
 
 os.register_at_fork(
     before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child

@@ -1,26 +1,12 @@
-"""The analysis views (docs/architecture.md §3): one shape on SQLite and PostgreSQL, versioned names.
+"""The analysis views, one shape on SQLite and PostgreSQL (docs/schema.md describes their columns):
+``rollout_summary_v1``, ``rewards_v1``, ``llm_calls_v1`` and ``attempts_v1``.
 
-* ``rollout_summary_v1`` — one row per rollout: run, status, mode, resources id and version, attempts,
-  latest attempt and its worker, duration and the **final reward** (the first reward dimension of the
-  last reward span — by sequence id, then start time — of the rollout's latest attempt);
-* ``rewards_v1`` — one row per reward dimension of every reward span;
-* ``llm_calls_v1`` — one row per LLM-call span: model, prompt / completion tokens, latency;
-* ``attempts_v1`` — one row per attempt: worker, outcome, duration, the agent's error type/message.
-
-Rewards are ``agentlightning.annotation`` spans carrying ``agentlightning.reward.<i>.value`` (and
-``.name``).  The final reward is not denormalised onto the rollout on the span-ingest hot path: the
-view reads it through the partial index ``ix_spans_reward`` (``schema.py``), which holds only
-annotation spans, so the lookup is one short index range per rollout.
-
-The SQL is per dialect only where JSON access differs (``json_extract``/``json_each`` on SQLite,
-``->>``/``jsonb_each`` on PostgreSQL); everything else is the same text.  The statements are built
-from the constants of this module only; the one runtime input, the PostgreSQL schema name, goes
-through the dialect's identifier quoting.  Non-numeric JSON values read as NULL rather than failing
-the whole query (a cast error on PostgreSQL would).
-
-Policy: a ``_v1`` definition never changes once released (revision 0002 creates it from these
-constants).  A different shape is a new name (``_v2``) created by a new revision, so code reading
-``_v1`` keeps working during a rolling upgrade.
+The final reward is not denormalised onto the rollout on the span-ingest path: the view reads it
+through the partial index ``ix_spans_reward``, one short index range per rollout.  The SQL differs
+per dialect only in JSON access, and is built from this module's constants (the PostgreSQL schema
+name goes through identifier quoting).  Non-numeric JSON values read as NULL rather than failing the
+query.  A ``_v1`` definition never changes once released; a new shape is a new name (``_v2``) made by
+a new revision, so code reading ``_v1`` keeps working during a rolling upgrade.
 """
 
 from __future__ import annotations
