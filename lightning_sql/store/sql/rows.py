@@ -36,10 +36,6 @@ from lightning_sql.types import (
 from lightning_sql.types.jsonvalue import json_text
 
 ROLLOUT_COLUMNS = [c for c in s.rollouts.c if c.name not in ("run_id", "queue_seq", "span_seq", "attempt_count")]
-ATTEMPT_COLUMNS = [c for c in s.attempts.c if c.name != "run_id"]
-WORKER_COLUMNS = [c for c in s.workers.c if c.name not in ("run_id",)]
-SPAN_COLUMNS = [c for c in s.spans.c if c.name not in ("run_id", "id")]
-RESOURCES_COLUMNS = [c for c in s.resources.c if c.name not in ("run_id",)]
 SPAN_JSON_FIELDS = ("attributes", "events", "links", "resource", "extra")
 
 
@@ -163,7 +159,6 @@ _SPAN_COLUMN_FIELDS = (
     "start_time",
     "end_time",
 )
-_SPAN_EXTRA_FIELDS = ("status", "context", "parent")
 
 
 def _checked_id(value: Any, field: str) -> None:
