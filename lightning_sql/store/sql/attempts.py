@@ -20,6 +20,7 @@ from lightning_sql.store.sql.rollouts import (
     R,
     enter_or_leave_queue,
     find_attempt,
+    insert_attempt,
     lock_rollout,
 )
 from lightning_sql.store.sql.rows import (
@@ -28,7 +29,7 @@ from lightning_sql.store.sql.rows import (
     attempted,
 )
 from lightning_sql.store.sql.statements import cached
-from lightning_sql.store.sql.workers import sync_worker, worker_following, write_worker
+from lightning_sql.store.sql.workers import worker_following, write_worker
 from lightning_sql.types import (
     FINISHED_STATUSES,
     Attempt,
@@ -82,20 +83,7 @@ def start_attempt(
             .where(R.c.run_id == run_id, R.c.rollout_id == rollout_id)
             .values(status="preparing", queue_seq=None, attempt_count=seq)
         )
-        ctx.execute(
-            A.insert().values(
-                run_id=run_id,
-                rollout_id=rollout_id,
-                attempt_id=attempt_id,
-                sequence_id=seq,
-                status="preparing",
-                worker_id=worker_id,
-                start_time=now,
-            )
-        )
-        if worker_id:  # upstream's worker sync skips a falsy id
-            sync = sync_worker(ctx, run_id, now, worker_id, "preparing", rollout_id, attempt_id, claim=False)
-            sync.execute(ctx)
+        insert_attempt(ctx, run_id, now, rollout_id, attempt_id, seq, worker_id)
         existing = find_attempt(ctx, run_id, rollout_id, attempt_id)
         row = lock_rollout(ctx, run_id, rollout_id)
     assert existing is not None

@@ -14,19 +14,15 @@ from sqlalchemy import ColumnElement, bindparam, select, update
 
 from lightning_sql.store.sql import dialect as d
 from lightning_sql.store.sql.executor import UnitContext
-from lightning_sql.store.sql.rollouts import A, R, fetch_rollouts
+from lightning_sql.store.sql.rollouts import A, R, attempt_row, fetch_rollouts, preparing_attempt
 from lightning_sql.store.sql.rows import (
     ROLLOUT_COLUMNS,
     attempt_from_row,
     attempted,
-    construct,
 )
 from lightning_sql.store.sql.statements import cached
 from lightning_sql.store.sql.workers import idle_on_empty_queue, sync_worker
-from lightning_sql.types import (
-    Attempt,
-    AttemptedRollout,
-)
+from lightning_sql.types import AttemptedRollout
 
 
 def claim(
@@ -85,27 +81,12 @@ def _claim_many_sqlite(
         claimed = []
         for aid, rid in zip(attempt_ids, picked, strict=False):  # attempt ids first: zip takes no extra id
             row = by_id[rid]
-            attempt_rows.append(_attempt_row(run_id, rid, aid, row.attempt_count, worker_id, now))
+            attempt_rows.append(attempt_row(run_id, rid, aid, row.attempt_count, worker_id, now))
             claimed.append(_attempted_claim(row, aid, now, worker_id))
         out.append(claimed)
     if attempt_rows:
         ctx.execute(cached("attempt_insert", A.insert), attempt_rows)
     return out
-
-
-def _attempt_row(
-    run_id: int, rollout_id: str, attempt_id: str, sequence_id: int, worker_id: str | None, now: float
-) -> dict[str, Any]:
-    """The row of a claim's fresh ``preparing`` attempt."""
-    return {
-        "run_id": run_id,
-        "rollout_id": rollout_id,
-        "attempt_id": attempt_id,
-        "sequence_id": sequence_id,
-        "status": "preparing",
-        "worker_id": worker_id,
-        "start_time": now,
-    }
 
 
 def _replayed_claim(ctx: UnitContext, run_id: int, attempt_ids: Sequence[str]) -> list[AttemptedRollout]:
@@ -193,21 +174,7 @@ def _pick_and_mark(ctx: UnitContext, run_id: int, limit: int) -> tuple[list[str]
 
 def _attempted_claim(row: Any, attempt_id: str, now: float, worker_id: str | None) -> AttemptedRollout:
     """The claimed rollout (a row with ``attempt_count``) with its fresh ``preparing`` attempt."""
-    attempt = construct(
-        Attempt,
-        {
-            "rollout_id": row.rollout_id,
-            "attempt_id": attempt_id,
-            "sequence_id": row.attempt_count,
-            "start_time": now,
-            "end_time": None,
-            "status": "preparing",
-            "worker_id": worker_id,
-            "last_heartbeat_time": None,
-            "metadata": None,
-        },
-    )
-    ar = attempted(row, attempt)
+    ar = attempted(row, preparing_attempt(row.rollout_id, attempt_id, row.attempt_count, worker_id, now))
     assert isinstance(ar, AttemptedRollout)
     return ar
 

@@ -91,11 +91,6 @@ def rollout_fields(m: Any) -> dict[str, Any]:
     }
 
 
-def construct(cls: type[BaseModel], values: dict[str, Any]) -> Any:
-    """``cls.model_construct(**values)``: a model from values the store validated on the way in."""
-    return cls.model_construct(**values)
-
-
 def rollout_from_row(row: Row[Any] | Any) -> Rollout:
     return attempted(row, None)  # type: ignore[return-value]
 
