@@ -6,7 +6,6 @@ rollout's status, its queue position, the worker's row) and writes it with ``dia
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import bindparam, update
@@ -20,20 +19,21 @@ from lightning_sql.store.sql.rollouts import (
     R,
     enter_or_leave_queue,
     find_attempt,
+    insert_attempt,
     lock_rollout,
 )
 from lightning_sql.store.sql.rows import (
     ROLLOUT_COLUMNS,
     attempt_from_row,
     attempted,
+    config_from,
 )
 from lightning_sql.store.sql.statements import cached
-from lightning_sql.store.sql.workers import sync_worker, worker_following, write_worker
+from lightning_sql.store.sql.workers import worker_following, write_worker
 from lightning_sql.types import (
     FINISHED_STATUSES,
     Attempt,
     AttemptedRollout,
-    RolloutConfig,
     is_storable_text,
     rollout_status_from_attempt,
 )
@@ -52,7 +52,8 @@ def _row_write(
     table: Any, keys: dict[str, Any], values: dict[str, Any], *, prefix: str = "u_", returning: bool = False
 ) -> d.Write:
     """Writing ``values`` into the row named by ``keys``, as a prebuilt statement; with ``returning``,
-    it returns the updated row (every column)."""
+    it returns the updated row (every column).  Writes run together (``dialect.run_writes``) need
+    distinct ``prefix``es."""
     key_names, cols = tuple(keys), tuple(values)
     return d.Write(
         ("update_row", table.name, key_names, cols, prefix, returning),
@@ -61,11 +62,6 @@ def _row_write(
         else _update_where(table, key_names, cols, prefix),
         {**{f"{prefix}{k}": v for k, v in keys.items()}, **{f"{prefix}{c}": v for c, v in values.items()}},
     )
-
-
-def _update_row(ctx: UnitContext, table: Any, keys: dict[str, Any], values: dict[str, Any]) -> None:
-    """Write ``values`` into the row named by ``keys`` through a prebuilt statement."""
-    _row_write(table, keys, values).execute(ctx)
 
 
 def start_attempt(
@@ -82,20 +78,7 @@ def start_attempt(
             .where(R.c.run_id == run_id, R.c.rollout_id == rollout_id)
             .values(status="preparing", queue_seq=None, attempt_count=seq)
         )
-        ctx.execute(
-            A.insert().values(
-                run_id=run_id,
-                rollout_id=rollout_id,
-                attempt_id=attempt_id,
-                sequence_id=seq,
-                status="preparing",
-                worker_id=worker_id,
-                start_time=now,
-            )
-        )
-        if worker_id:  # upstream's worker sync skips a falsy id
-            sync = sync_worker(ctx, run_id, now, worker_id, "preparing", rollout_id, attempt_id, claim=False)
-            sync.execute(ctx)
+        insert_attempt(ctx, run_id, now, rollout_id, attempt_id, seq, worker_id)
         existing = find_attempt(ctx, run_id, rollout_id, attempt_id)
         row = lock_rollout(ctx, run_id, rollout_id)
     assert existing is not None
@@ -110,15 +93,11 @@ def resolve_attempt(ctx: UnitContext, run_id: int, rollout_id: str, attempt_id: 
         row, attempt_row = d.lock_rollout_and_attempt(ctx, run_id, rollout_id, attempt_id, ROLLOUT_COLUMNS)
         return _resolved(row, attempt_row, rollout_id, attempt_id)
     row = lock_rollout(ctx, run_id, rollout_id, lock=lock)
-    if row is None:
-        raise ValueError(f"Rollout {rollout_id} not found")
-    if row.attempt_count == 0:
-        raise ValueError(f"No attempts found for rollout {rollout_id}")
-    if attempt_id != "latest" and not is_storable_text(attempt_id):
-        # A concrete id that cannot exist in the database (NUL, lone surrogate, too long): it matches
-        # nothing, reported after the rollout checks above (§2.7 resolution order).
-        raise ValueError(f"Attempt {attempt_id} not found for rollout {rollout_id}")
     latest = attempt_id == "latest"
+    if row is None or row.attempt_count == 0 or not (latest or is_storable_text(attempt_id)):
+        # A concrete id that cannot exist in the database (NUL, lone surrogate, too long) matches
+        # nothing, reported after the rollout checks (§2.7 resolution order).
+        return _resolved(row, None, rollout_id, attempt_id)
     base = ATTEMPT_BY_SEQ if latest else ATTEMPT_BY_ID
     stmt = cached(("attempt_row", ctx.dialect, latest, lock), lambda: d.for_update(ctx, base) if lock else base)
     params = {"r_run_id": run_id, "r_rollout_id": rollout_id}
@@ -126,16 +105,11 @@ def resolve_attempt(ctx: UnitContext, run_id: int, rollout_id: str, attempt_id: 
         params["r_sequence_id"] = row.attempt_count
     else:
         params["r_attempt_id"] = attempt_id
-    attempt_row = ctx.execute(stmt, params).first()
-    if attempt_row is None:
-        if attempt_id == "latest":
-            raise ValueError(f"No attempts found for rollout {rollout_id}")
-        raise ValueError(f"Attempt {attempt_id} not found for rollout {rollout_id}")
-    return row, attempt_row
+    return _resolved(row, ctx.execute(stmt, params).first(), rollout_id, attempt_id)
 
 
 def _resolved(row: Any, attempt_row: Any, rollout_id: str, attempt_id: str) -> tuple[Any, Any]:
-    """The rows that ``dialect.lock_rollout_and_attempt`` found, or the error of §2.7 they call for."""
+    """The rollout and attempt rows found, or the error of §2.7 they call for."""
     if row is None:
         raise ValueError(f"Rollout {rollout_id} not found")
     if row.attempt_count == 0 or (attempt_row is None and attempt_id == "latest"):
@@ -149,10 +123,9 @@ def update_attempt(
     ctx: UnitContext, run_id: int, now: float, rollout_id: str, attempt_id: str, changes: dict[str, Any]
 ) -> Attempt:
     row, attempt_row = resolve_attempt(ctx, run_id, rollout_id, attempt_id, lock=True)
-    specs, worker = _attempt_writes(ctx, run_id, now, row, attempt_row, changes)
-    if not specs:
+    writes, worker = _attempt_writes(ctx, run_id, now, row, attempt_row, changes)
+    if not writes:
         return attempt_from_row(attempt_row)
-    writes = [_spec_write(spec, "") for spec in specs]
     if worker is not None:
         writes.append(write_worker(ctx, run_id, *worker))
     new_row = d.run_writes(ctx, writes)
@@ -160,30 +133,9 @@ def update_attempt(
     return attempt_from_row(new_row)
 
 
-@dataclass(frozen=True)
-class _RowWrite:
-    """Writing ``values`` into the row of ``table`` named by ``keys`` (``_row_write``), before its
-    parameters are named: ``shape`` tells which statement it takes."""
-
-    table: Any
-    keys: dict[str, Any]
-    values: dict[str, Any]
-    returning: bool = False
-
-    @property
-    def shape(self) -> tuple[str, tuple[str, ...], tuple[str, ...], bool]:
-        return (self.table.name, tuple(self.keys), tuple(self.values), self.returning)
-
-
-def _spec_write(spec: _RowWrite, tag: str) -> d.Write:
-    """``spec`` as a prebuilt write whose parameters ``tag`` names apart (``ua<tag>_``: attempts)."""
-    prefix = f"u{spec.table.name[0]}{tag}_"
-    return _row_write(spec.table, spec.keys, spec.values, prefix=prefix, returning=spec.returning)
-
-
 def _attempt_writes(
     ctx: UnitContext, run_id: int, now: float, row: Any, attempt_row: Any, changes: dict[str, Any]
-) -> tuple[list[_RowWrite], tuple[str, dict[str, Any]] | None]:
+) -> tuple[list[d.Write], tuple[str, dict[str, Any]] | None]:
     """The row writes of one ``update_attempt`` of the locked ``row`` and ``attempt_row`` (none
     when nothing changes), the attempt's first (it returns the updated row), and what it writes
     into a worker's row, ``(worker_id, values)`` or None (``workers.write_worker``)."""
@@ -200,23 +152,17 @@ def _attempt_writes(
     # The attempt's row, the rollout's and the worker's are written together (dialect.run_writes:
     # one statement on PostgreSQL): what follows from the attempt's new status and worker is decided
     # here from the locked row and the changes, not read back.
-    writes = [_RowWrite(A, keys, values, returning=True)]
+    writes = [_row_write(A, keys, values, prefix="ua_", returning=True)]
     status = values.get("status", attempt_row.status)
     if "status" in changes and attempt_row.sequence_id == row.attempt_count and row.status != "cancelled":
-        config = RolloutConfig.model_construct(
-            timeout_seconds=row.timeout_seconds,
-            unresponsive_seconds=row.unresponsive_seconds,
-            max_attempts=row.max_attempts,
-            retry_condition=list(row.retry_condition or []),
-        )
-        new_status = rollout_status_from_attempt(status, attempt_row.sequence_id, config)
+        new_status = rollout_status_from_attempt(status, attempt_row.sequence_id, config_from(row._mapping))
         if new_status != row.status:
             rvalues: dict[str, Any] = {"status": new_status}
             if new_status in FINISHED_STATUSES:
                 rvalues["end_time"] = now
                 ctx.announce(run_id, "finished")
             rvalues.update(enter_or_leave_queue(ctx, run_id, row.status, new_status, row.queue_seq))
-            writes.append(_RowWrite(R, {"run_id": run_id, "rollout_id": rollout_id}, rvalues))
+            writes.append(_row_write(R, {"run_id": run_id, "rollout_id": rollout_id}, rvalues, prefix="ur_"))
     wid = values["worker_id"] if "worker_id" in values else attempt_row.worker_id
     if ("worker_id" in changes and changes["worker_id"]) or ("status" in changes and wid):
         return writes, (wid, worker_following(now, status, rollout_id, aid, claim=False))
@@ -227,17 +173,8 @@ def touch_attempt(ctx: UnitContext, run_id: int, now: float, rollout_id: str, at
     # Lock order (§2.17): the rollout row first, so a concurrent sweep either skips this rollout or has
     # committed its verdict before the heartbeat lands (never judges a heartbeat it did not see).
     _row, attempt_row = resolve_attempt(ctx, run_id, rollout_id, attempt_id, lock=True)
-    _update_row(
-        ctx,
-        A,
-        {"run_id": run_id, "rollout_id": rollout_id, "attempt_id": attempt_row.attempt_id},
-        {"last_heartbeat_time": now},
-    )
+    keys = {"run_id": run_id, "rollout_id": rollout_id, "attempt_id": attempt_row.attempt_id}
+    _row_write(A, keys, {"last_heartbeat_time": now}).execute(ctx)
     attempt = attempt_from_row(attempt_row)
     attempt.last_heartbeat_time = now
     return attempt
-
-
-# --- reads --------------------------------------------------------------------------------------
-
-

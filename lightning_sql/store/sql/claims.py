@@ -14,35 +14,27 @@ from sqlalchemy import ColumnElement, bindparam, select, update
 
 from lightning_sql.store.sql import dialect as d
 from lightning_sql.store.sql.executor import UnitContext
-from lightning_sql.store.sql.rollouts import A, R, fetch_rollouts
+from lightning_sql.store.sql.rollouts import A, R, attempt_row, fetch_rollouts, preparing_attempt
 from lightning_sql.store.sql.rows import (
     ROLLOUT_COLUMNS,
     attempt_from_row,
     attempted,
-    construct,
 )
 from lightning_sql.store.sql.statements import cached
 from lightning_sql.store.sql.workers import idle_on_empty_queue, sync_worker
-from lightning_sql.types import (
-    Attempt,
-    AttemptedRollout,
-)
+from lightning_sql.types import AttemptedRollout
 
 
 def claim(
     ctx: UnitContext, run_id: int, now: float, attempt_ids: Sequence[str], worker_id: str | None
 ) -> list[AttemptedRollout]:
-    """Claim up to ``len(attempt_ids)`` queued rollouts in queue order.
-
-    On PostgreSQL the claim is one statement (rollouts, attempts and the worker row, rows picked with
-    ``FOR UPDATE SKIP LOCKED``); on SQLite, whose writers are serialised, a pick-and-mark and an
-    insert.  A replay first looks for its own attempts (their ids are fresh per call)."""
+    """Claim up to ``len(attempt_ids)`` queued rollouts in queue order (see the module docstring).
+    Only a replay can find its own attempts (their ids are fresh per call): the first try skips
+    that look-up."""
     limit = len(attempt_ids)
     out: list[AttemptedRollout] = []
     synced = False  # the claim statement itself synced the worker (PostgreSQL)
     if limit > 0:
-        # Only a replay can find its own attempts (the ids are fresh per call): skip the look-up on
-        # the first try.
         out = _replayed_claim(ctx, run_id, attempt_ids) if ctx.attempt > 0 else []
         if not out:
             out, synced = _claim_fresh(ctx, run_id, now, attempt_ids, worker_id)
@@ -65,47 +57,27 @@ def _worker_write(
     return None
 
 
-def _claim_many_sqlite(
-    ctx: UnitContext, run_id: int, calls: Sequence[tuple[float, tuple[Sequence[str], str | None]]]
-) -> list[list[AttemptedRollout]]:
-    """SQLite (writers serialised, no locks): the rollouts and attempts of one claim or of several
-    calls' claims, without the worker rows: one rollout is picked and marked by one statement,
-    several by a pick and a mark; their attempts are one insert."""
-    total = sum(len(attempt_ids) for _now, (attempt_ids, _worker_id) in calls)
-    if total == 1:
+def _claim_sqlite(
+    ctx: UnitContext, run_id: int, now: float, attempt_ids: Sequence[str], worker_id: str | None
+) -> list[AttemptedRollout]:
+    """SQLite (writers serialised, no locks): the claimed rollouts and their attempts, without the
+    worker row: one rollout is picked and marked by one statement, several by a pick and a mark;
+    their attempts are one insert."""
+    if len(attempt_ids) == 1:
         rows = ctx.execute(cached(("claim_next", ctx.dialect), _claim_next), {"c_run_id": run_id}).all()
         ids = [row.rollout_id for row in rows]
     else:
-        ids, rows = _pick_and_mark(ctx, run_id, total) if total else ([], [])
+        ids, rows = _pick_and_mark(ctx, run_id, len(attempt_ids))
     by_id = {row.rollout_id: row for row in rows}
-    picked = iter(ids)
-    out: list[list[AttemptedRollout]] = []
+    claimed = []
     attempt_rows = []
-    for now, (attempt_ids, worker_id) in calls:
-        claimed = []
-        for aid, rid in zip(attempt_ids, picked, strict=False):  # attempt ids first: zip takes no extra id
-            row = by_id[rid]
-            attempt_rows.append(_attempt_row(run_id, rid, aid, row.attempt_count, worker_id, now))
-            claimed.append(_attempted_claim(row, aid, now, worker_id))
-        out.append(claimed)
+    for aid, rid in zip(attempt_ids, ids, strict=False):  # the queue may hold fewer rollouts than ids
+        row = by_id[rid]
+        attempt_rows.append(attempt_row(run_id, rid, aid, row.attempt_count, worker_id, now))
+        claimed.append(_attempted_claim(row, aid, now, worker_id))
     if attempt_rows:
         ctx.execute(cached("attempt_insert", A.insert), attempt_rows)
-    return out
-
-
-def _attempt_row(
-    run_id: int, rollout_id: str, attempt_id: str, sequence_id: int, worker_id: str | None, now: float
-) -> dict[str, Any]:
-    """The row of a claim's fresh ``preparing`` attempt."""
-    return {
-        "run_id": run_id,
-        "rollout_id": rollout_id,
-        "attempt_id": attempt_id,
-        "sequence_id": sequence_id,
-        "status": "preparing",
-        "worker_id": worker_id,
-        "start_time": now,
-    }
+    return claimed
 
 
 def _replayed_claim(ctx: UnitContext, run_id: int, attempt_ids: Sequence[str]) -> list[AttemptedRollout]:
@@ -132,7 +104,7 @@ def _claim_fresh(
     one_trip = d.claim_in_one_statement(ctx, run_id, now, attempt_ids, worker_id, ROLLOUT_COLUMNS)
     if one_trip is not None:
         return [_attempted_claim(row, row.attempt_id, now, worker_id) for row in one_trip], True
-    return _claim_many_sqlite(ctx, run_id, [(now, (attempt_ids, worker_id))])[0], False
+    return _claim_sqlite(ctx, run_id, now, attempt_ids, worker_id), False
 
 
 def _claim_next() -> Any:
@@ -193,21 +165,7 @@ def _pick_and_mark(ctx: UnitContext, run_id: int, limit: int) -> tuple[list[str]
 
 def _attempted_claim(row: Any, attempt_id: str, now: float, worker_id: str | None) -> AttemptedRollout:
     """The claimed rollout (a row with ``attempt_count``) with its fresh ``preparing`` attempt."""
-    attempt = construct(
-        Attempt,
-        {
-            "rollout_id": row.rollout_id,
-            "attempt_id": attempt_id,
-            "sequence_id": row.attempt_count,
-            "start_time": now,
-            "end_time": None,
-            "status": "preparing",
-            "worker_id": worker_id,
-            "last_heartbeat_time": None,
-            "metadata": None,
-        },
-    )
-    ar = attempted(row, attempt)
+    ar = attempted(row, preparing_attempt(row.rollout_id, attempt_id, row.attempt_count, worker_id, now))
     assert isinstance(ar, AttemptedRollout)
     return ar
 

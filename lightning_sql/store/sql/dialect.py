@@ -39,7 +39,6 @@ from sqlalchemy import (
     select,
     true,
     tuple_,
-    union_all,
     update,
 )
 from sqlalchemy import (
@@ -198,11 +197,10 @@ def _claim_statement(returning: Sequence[Any], *, with_worker: bool) -> Any:
     if not with_worker:
         return stmt
     W = s.workers
-    now = bindparam("claim_now", type_=Float(precision=53))
     last_claimed = (
         select(
             run_id,
-            bindparam("claim_worker_id", type_=Text),
+            worker_id,
             s.position_seq.next_value(),
             literal("busy", Text),
             now,
@@ -386,11 +384,9 @@ def attempts_by_sequence(ctx: UnitContext, run_id: int, pairs: Sequence[tuple[st
     return rows
 
 
-_ATTEMPTS_BY_PAIRS_IN = (
-    select(s.attempts).where(
-        s.attempts.c.run_id == bindparam("la_run_id"),
-        tuple_(s.attempts.c.rollout_id, s.attempts.c.sequence_id).in_(bindparam("la_pairs", expanding=True)),
-    )
+_ATTEMPTS_BY_PAIRS_IN = select(s.attempts).where(
+    s.attempts.c.run_id == bindparam("la_run_id"),
+    tuple_(s.attempts.c.rollout_id, s.attempts.c.sequence_id).in_(bindparam("la_pairs", expanding=True)),
 )
 
 
@@ -471,7 +467,7 @@ def run_writes(ctx: UnitContext, writes: Sequence[Write]) -> Any:
         return first
     payloads = ctx.take_notifications()
     key = ("writes_in_one_statement", tuple(write.key for write in writes), bool(payloads))
-    stmt = cached(key, lambda: _writes_statement([write.build() for write in writes], (0,), notify=bool(payloads)))
+    stmt = cached(key, lambda: _writes_statement([write.build() for write in writes], notify=bool(payloads)))
     params: dict[str, Any] = {}
     for write in writes:
         params.update(write.params)
@@ -481,16 +477,13 @@ def run_writes(ctx: UnitContext, writes: Sequence[Write]) -> Any:
     return ctx.execute(stmt, params).first()
 
 
-def _writes_statement(statements: Sequence[Any], returned: tuple[int, ...], *, notify: bool) -> Any:
-    ctes = [statement.cte(f"write_{index}") for index, statement in enumerate(statements)]
-    if len(returned) == 1:
-        stmt = select(ctes[returned[0]])
-    else:
-        stmt = select(union_all(*(select(ctes[index]) for index in returned)).subquery("written"))
-    for index, cte in enumerate(ctes):
-        if index not in returned:
-            # A data-modifying CTE runs to completion whether or not the outer query reads it.
-            stmt = stmt.add_cte(cte)
+def _writes_statement(statements: Sequence[Any], *, notify: bool) -> Any:
+    """The writes as data-modifying CTEs, returning the first one's rows."""
+    first, *others = [statement.cte(f"write_{index}") for index, statement in enumerate(statements)]
+    stmt = select(first)
+    for cte in others:
+        # A data-modifying CTE runs to completion whether or not the outer query reads it.
+        stmt = stmt.add_cte(cte)
     if notify:
         events = (
             func.unnest(bindparam("wn_payloads", type_=ARRAY(Text)))

@@ -24,25 +24,29 @@ def _record_history(ctx: UnitContext, run_id: int, now: float, resources_id: str
     )
 
 
+def _first_version(
+    run_id: int, now: float, resources_id: str, payload: EncodedJson, pos: int
+) -> dict[str, Any]:
+    """The row of a new snapshot (version 1) at position ``pos``."""
+    return {
+        "run_id": run_id,
+        "resources_id": resources_id,
+        "version": 1,
+        "create_time": now,
+        "update_time": now,
+        "resources": payload,
+        "create_seq": pos,
+        "touch_seq": pos,
+    }
+
+
 def add_resources(ctx: UnitContext, run_id: int, now: float, resources_id: str, payload: EncodedJson) -> ResourcesUpdate:
     existing = ctx.execute(select(RS).where(RS.c.run_id == run_id, RS.c.resources_id == resources_id)).first()
     if existing is not None:  # replay after a lost commit
         return resources_from_row(existing)
     (pos,) = d.allocate_positions(ctx, run_id, 1)
-    row = ctx.execute(
-        RS.insert()
-        .values(
-            run_id=run_id,
-            resources_id=resources_id,
-            version=1,
-            create_time=now,
-            update_time=now,
-            resources=payload,
-            create_seq=pos,
-            touch_seq=pos,
-        )
-        .returning(*RS.c)
-    ).one()
+    stmt = RS.insert().values(**_first_version(run_id, now, resources_id, payload, pos))
+    row = ctx.execute(stmt.returning(*RS.c)).one()
     _record_history(ctx, run_id, now, resources_id, 1, payload)
     return resources_from_row(row)
 
@@ -52,16 +56,7 @@ def update_resources(
 ) -> ResourcesUpdate:
     """Replace (or create) a snapshot; the version is computed from the locked row, never blindly."""
     (pos,) = d.allocate_positions(ctx, run_id, 1)
-    stmt = d.insert(ctx, RS).values(
-        run_id=run_id,
-        resources_id=resources_id,
-        version=1,
-        create_time=now,
-        update_time=now,
-        resources=payload,
-        create_seq=pos,
-        touch_seq=pos,
-    )
+    stmt = d.insert(ctx, RS).values(**_first_version(run_id, now, resources_id, payload, pos))
     stmt = stmt.on_conflict_do_update(
         index_elements=[RS.c.run_id, RS.c.resources_id],
         set_={

@@ -71,6 +71,87 @@ def _retry_json(statuses: Sequence[str]) -> str:
     return "[" + ",".join(f'"{status}"' for status in statuses) + "]"
 
 
+def _rollout_row(
+    run_id: int, now: float, item: NewRollout, status: str, resources: tuple[str | None, int | None], pos: int
+) -> dict[str, Any]:
+    """The row of a new rollout: ``enqueue``'s queued at ``pos``, ``start_rollout``'s outside the queue."""
+    rid, version = resources
+    return {
+        "run_id": run_id,
+        "rollout_id": item.rollout_id,
+        "input": item.input,
+        "mode": item.mode,
+        "resources_id": rid,
+        "resources_version": version,
+        "status": status,
+        **_config_values(item.config),
+        "metadata": item.metadata,
+        "idempotency_key": item.idempotency_key,
+        "start_time": now,
+        "end_time": None,
+        "queue_seq": pos if status == "queuing" else None,
+        "create_seq": pos,
+    }
+
+
+def _created(item: NewRollout, row: dict[str, Any]) -> dict[str, Any]:
+    """The model fields of the rollout whose ``row`` was just written for ``item`` (not read back)."""
+    return {
+        "rollout_id": item.rollout_id,
+        "input": item.input_value,
+        "start_time": row["start_time"],
+        "end_time": None,
+        "mode": item.mode,
+        "resources_id": row["resources_id"],
+        "status": row["status"],
+        "config": config_copy(item.config),
+        "metadata": item.metadata_value,
+        "resources_version": row["resources_version"],
+        "idempotency_key": item.idempotency_key,
+    }
+
+
+def attempt_row(
+    run_id: int, rollout_id: str, attempt_id: str, sequence_id: int, worker_id: str | None, now: float
+) -> dict[str, Any]:
+    """The row of a fresh ``preparing`` attempt."""
+    return {
+        "run_id": run_id,
+        "rollout_id": rollout_id,
+        "attempt_id": attempt_id,
+        "sequence_id": sequence_id,
+        "status": "preparing",
+        "worker_id": worker_id,
+        "start_time": now,
+    }
+
+
+def preparing_attempt(
+    rollout_id: str, attempt_id: str, sequence_id: int, worker_id: str | None, now: float
+) -> Attempt:
+    """The model of a fresh ``preparing`` attempt (its row is not read back)."""
+    return Attempt.model_construct(
+        rollout_id=rollout_id,
+        attempt_id=attempt_id,
+        sequence_id=sequence_id,
+        start_time=now,
+        end_time=None,
+        status="preparing",
+        worker_id=worker_id,
+        last_heartbeat_time=None,
+        metadata=None,
+    )
+
+
+def insert_attempt(
+    ctx: UnitContext, run_id: int, now: float, rollout_id: str, attempt_id: str, seq: int, worker_id: str | None
+) -> None:
+    """Insert a fresh ``preparing`` attempt and make its worker, if any, busy on it."""
+    ctx.execute(A.insert().values(**attempt_row(run_id, rollout_id, attempt_id, seq, worker_id, now)))
+    if worker_id:  # upstream's worker sync skips a falsy id
+        sync_worker(ctx, run_id, now, worker_id, "preparing", rollout_id, attempt_id, claim=False).execute(ctx)
+
+
 _LATEST_RESOURCES = (
     select(s.resources.c.resources_id, s.resources.c.version)
     .where(s.resources.c.run_id == bindparam("r_run_id"))
@@ -165,26 +246,10 @@ def enqueue(ctx: UnitContext, run_id: int, now: float, items: Sequence[NewRollou
     if fresh:
         resolved = _resolve_resources(ctx, run_id, fresh)
         positions = d.allocate_positions(ctx, run_id, len(fresh))
-        params = []
-        for item, (rid, version), pos in zip(fresh, resolved, positions, strict=True):
-            params.append(
-                {
-                    "run_id": run_id,
-                    "rollout_id": item.rollout_id,
-                    "input": item.input,
-                    "mode": item.mode,
-                    "resources_id": rid,
-                    "resources_version": version,
-                    "status": "queuing",
-                    **_config_values(item.config),
-                    "metadata": item.metadata,
-                    "idempotency_key": item.idempotency_key,
-                    "start_time": now,
-                    "end_time": None,
-                    "queue_seq": pos,
-                    "create_seq": pos,
-                }
-            )
+        params = [
+            _rollout_row(run_id, now, item, "queuing", resources, pos)
+            for item, resources, pos in zip(fresh, resolved, positions, strict=True)
+        ]
         insert_rollouts = cached(
             ("enqueue_insert", ctx.dialect),
             lambda: d.insert(ctx, R).on_conflict_do_nothing().returning(R.c.rollout_id),
@@ -192,19 +257,7 @@ def enqueue(ctx: UnitContext, run_id: int, now: float, items: Sequence[NewRollou
         inserted = {row[0] for row in ctx.execute(insert_rollouts, params)}
         for item, p in zip(fresh, params, strict=True):
             if item.rollout_id in inserted:
-                created[item.rollout_id] = Rollout.model_construct(
-                    rollout_id=item.rollout_id,
-                    input=item.input_value,
-                    start_time=now,
-                    end_time=None,
-                    mode=item.mode,
-                    resources_id=p["resources_id"],
-                    status="queuing",
-                    config=config_copy(item.config),
-                    metadata=item.metadata_value,
-                    resources_version=p["resources_version"],
-                    idempotency_key=item.idempotency_key,
-                )
+                created[item.rollout_id] = Rollout.model_construct(**_created(item, p))
         if inserted:
             ctx.announce(run_id, "queued")
         if len(inserted) < len(fresh):
@@ -233,7 +286,8 @@ def enqueue(ctx: UnitContext, run_id: int, now: float, items: Sequence[NewRollou
 def start_rollout(
     ctx: UnitContext, run_id: int, now: float, item: NewRollout, attempt_id: str, worker_id: str | None
 ) -> AttemptedRollout:
-    """Create a rollout with its first attempt, both ``preparing``, outside the queue."""
+    """Create a rollout with its first attempt, both ``preparing``, outside the queue (``item`` has no
+    idempotency key: ``start_rollout`` takes none)."""
     existing = fetch_rollouts(ctx, run_id, R.c.rollout_id == item.rollout_id)
     if existing:  # replay after a lost commit
         attempt = find_attempt(ctx, run_id, item.rollout_id, attempt_id)
@@ -241,65 +295,13 @@ def start_rollout(
         result = attempted(existing[0], attempt)
         assert isinstance(result, AttemptedRollout)
         return result
-    (rid, version), = _resolve_resources(ctx, run_id, [item])
+    (resources,) = _resolve_resources(ctx, run_id, [item])
     (pos,) = d.allocate_positions(ctx, run_id, 1)
-    ctx.execute(
-        R.insert().values(
-            run_id=run_id,
-            rollout_id=item.rollout_id,
-            input=item.input,
-            mode=item.mode,
-            resources_id=rid,
-            resources_version=version,
-            status="preparing",
-            **_config_values(item.config),
-            metadata=item.metadata,
-            idempotency_key=None,
-            start_time=now,
-            queue_seq=None,
-            create_seq=pos,
-            attempt_count=1,
-        )
-    )
-    ctx.execute(
-        A.insert().values(
-            run_id=run_id,
-            rollout_id=item.rollout_id,
-            attempt_id=attempt_id,
-            sequence_id=1,
-            status="preparing",
-            worker_id=worker_id,
-            start_time=now,
-        )
-    )
-    if worker_id:  # upstream's worker sync skips a falsy id
-        sync = sync_worker(ctx, run_id, now, worker_id, "preparing", item.rollout_id, attempt_id, claim=False)
-        sync.execute(ctx)
-    attempt = Attempt.model_construct(
-        rollout_id=item.rollout_id,
-        attempt_id=attempt_id,
-        sequence_id=1,
-        start_time=now,
-        end_time=None,
-        status="preparing",
-        worker_id=worker_id,
-        last_heartbeat_time=None,
-        metadata=None,
-    )
-    return AttemptedRollout.model_construct(
-        rollout_id=item.rollout_id,
-        input=item.input_value,
-        start_time=now,
-        end_time=None,
-        mode=item.mode,
-        resources_id=rid,
-        status="preparing",
-        config=config_copy(item.config),
-        metadata=item.metadata_value,
-        resources_version=version,
-        idempotency_key=None,
-        attempt=attempt,
-    )
+    row = _rollout_row(run_id, now, item, "preparing", resources, pos)
+    ctx.execute(R.insert().values(**row, attempt_count=1))
+    insert_attempt(ctx, run_id, now, item.rollout_id, attempt_id, 1, worker_id)
+    attempt = preparing_attempt(item.rollout_id, attempt_id, 1, worker_id, now)
+    return AttemptedRollout.model_construct(**_created(item, row), attempt=attempt)
 
 
 _ROLLOUT_ROW = select(*ROLLOUT_COLUMNS, R.c.attempt_count, R.c.queue_seq).where(

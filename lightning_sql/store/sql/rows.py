@@ -36,10 +36,6 @@ from lightning_sql.types import (
 from lightning_sql.types.jsonvalue import json_text
 
 ROLLOUT_COLUMNS = [c for c in s.rollouts.c if c.name not in ("run_id", "queue_seq", "span_seq", "attempt_count")]
-ATTEMPT_COLUMNS = [c for c in s.attempts.c if c.name != "run_id"]
-WORKER_COLUMNS = [c for c in s.workers.c if c.name not in ("run_id",)]
-SPAN_COLUMNS = [c for c in s.spans.c if c.name not in ("run_id", "id")]
-RESOURCES_COLUMNS = [c for c in s.resources.c if c.name not in ("run_id",)]
 SPAN_JSON_FIELDS = ("attributes", "events", "links", "resource", "extra")
 
 
@@ -93,11 +89,6 @@ def rollout_fields(m: Any) -> dict[str, Any]:
         "resources_version": m["resources_version"],
         "idempotency_key": m["idempotency_key"],
     }
-
-
-def construct(cls: type[BaseModel], values: dict[str, Any]) -> Any:
-    """``cls.model_construct(**values)``: a model from values the store validated on the way in."""
-    return cls.model_construct(**values)
 
 
 def rollout_from_row(row: Row[Any] | Any) -> Rollout:
@@ -163,7 +154,6 @@ _SPAN_COLUMN_FIELDS = (
     "start_time",
     "end_time",
 )
-_SPAN_EXTRA_FIELDS = ("status", "context", "parent")
 
 
 def _checked_id(value: Any, field: str) -> None:

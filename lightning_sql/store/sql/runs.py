@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import bindparam, delete, func, select, update
+from sqlalchemy import bindparam, delete, func, select, tuple_, update
 
 from lightning_sql.store.sql import dialect as d
 from lightning_sql.store.sql import schema as s
@@ -20,9 +20,9 @@ def resolve_run(
     ctx: UnitContext, name: str, now: float, *, create: bool, metadata: EncodedJson | None
 ) -> int:
     """The run's surrogate id, creating the run row (exactly once under races) when allowed."""
-    row = ctx.execute(select(s.runs.c.run_id).where(s.runs.c.name == name)).first()
-    if row is not None:
-        return int(row[0])
+    run_id = run_id_of(ctx, name)
+    if run_id is not None:
+        return run_id
     if not create:
         names = [r[0] for r in ctx.execute(select(s.runs.c.name).order_by(s.runs.c.run_id))]
         listing = ", ".join(repr(n) for n in names) if names else "none"
@@ -50,12 +50,15 @@ def run_id_of(ctx: UnitContext, name: str) -> int | None:
 
 
 def mark_finished(ctx: UnitContext, run_id: int, now: float) -> Run:
-    ctx.execute(update(s.runs).where(s.runs.c.run_id == run_id).values(status="finished", finished_at=now))
-    return run_from_row(ctx.execute(select(s.runs).where(s.runs.c.run_id == run_id)).one())
+    return _update_run(ctx, run_id, status="finished", finished_at=now)
 
 
 def set_metadata(ctx: UnitContext, run_id: int, metadata: EncodedJson | None) -> Run:
-    ctx.execute(update(s.runs).where(s.runs.c.run_id == run_id).values(metadata=metadata))
+    return _update_run(ctx, run_id, metadata=metadata)
+
+
+def _update_run(ctx: UnitContext, run_id: int, **values: Any) -> Run:
+    ctx.execute(update(s.runs).where(s.runs.c.run_id == run_id).values(**values))
     return run_from_row(ctx.execute(select(s.runs).where(s.runs.c.run_id == run_id)).one())
 
 
@@ -77,8 +80,6 @@ def delete_batch(ctx: UnitContext, run_id: int) -> bool:
         batch = ctx.execute(select(*cols).where(table.c.run_id == run_id).limit(DELETE_BATCH_ROWS)).all()
         if not batch:
             continue
-        from sqlalchemy import tuple_
-
         ctx.execute(
             delete(table).where(table.c.run_id == run_id, tuple_(*cols).in_([tuple(r) for r in batch]))
         )

@@ -7,6 +7,7 @@ then the span inserts; the heartbeat written last only touches rows already lock
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,61 +30,41 @@ S = s.spans
 
 
 _LOCKED_ROLLOUT_COLUMNS = (R.c.rollout_id, R.c.status, R.c.span_seq)
+_LOCKED_ATTEMPT_COLUMNS = (A.c.rollout_id, A.c.attempt_id, A.c.sequence_id, A.c.status)
+
+
+def _rollout_update() -> Any:
+    """An UPDATE of the rollout row named by ``s_run_id`` and ``s_rollout_id``."""
+    return update(R).where(R.c.run_id == bindparam("s_run_id"), R.c.rollout_id == bindparam("s_rollout_id"))
 
 
 def _lock_rollouts(ctx: UnitContext, run_id: int, rollout_ids: Sequence[str]) -> dict[str, Any]:
+    """The rollout rows, locked in ``rollout_id`` order; raises for the first missing one."""
     ids = sorted(set(rollout_ids))
     stmt = cached(
         ("span_lock_rollouts", ctx.dialect),
         lambda: d.for_update(
             ctx,
-            select(R.c.rollout_id, R.c.status, R.c.span_seq, R.c.attempt_count)
+            select(*_LOCKED_ROLLOUT_COLUMNS, R.c.attempt_count)
             .where(R.c.run_id == bindparam("s_run_id"), R.c.rollout_id.in_(bindparam("s_ids", expanding=True)))
             .order_by(R.c.rollout_id),
         ),
     )
     rows = ctx.execute(stmt, {"s_run_id": run_id, "s_ids": ids}).all()
-    return {row.rollout_id: row for row in rows}
+    locked = {row.rollout_id: row for row in rows}
+    for rid in rollout_ids:
+        if rid not in locked:
+            raise ValueError(f"Rollout {rid} not found")
+    return locked
 
 
 def _set_span_seq(ctx: UnitContext, run_id: int, rollout_id: str, value: int) -> None:
-    stmt = cached(
-        "span_set_counter",
-        lambda: update(R)
-        .where(R.c.run_id == bindparam("s_run_id"), R.c.rollout_id == bindparam("s_rollout_id"))
-        .values(span_seq=bindparam("s_value")),
-    )
+    stmt = cached("span_set_counter", lambda: _rollout_update().values(span_seq=bindparam("s_value")))
     ctx.execute(stmt, {"s_run_id": run_id, "s_rollout_id": rollout_id, "s_value": value})
 
 
-def _counts(pairs: Sequence[tuple[str, str]], into: dict[str, int] | None = None) -> dict[str, int]:
-    """How many ids each rollout of ``pairs`` takes (added to ``into``), in order of first use."""
-    counts = {} if into is None else into
-    for rid, _aid in pairs:
-        counts[rid] = counts.get(rid, 0) + 1
-    return counts
-
-
-def _bump_one(run_id: int, rollout_id: str, count: int) -> tuple[Any, dict[str, Any]]:
-    """The statement (and its parameters) that moves one rollout's span counter by ``count``."""
-    params = {"s_run_id": run_id, "s_rollout_id": rollout_id, "s_count": count}
-    return cached("span_bump_counter", _bump_counter), params
-
-
 def _bump_counter() -> Any:
-    return (
-        update(R)
-        .where(R.c.run_id == bindparam("s_run_id"), R.c.rollout_id == bindparam("s_rollout_id"))
-        .values(span_seq=R.c.span_seq + bindparam("s_count"))
-        .returning(R.c.span_seq)
-    )
-
-
-def _ids_of_one_rollout(rid: str, count: int, end: int | None) -> list[int]:
-    """The ``count`` ids of one rollout whose counter the bump moved to ``end`` (None: not found)."""
-    if end is None:
-        raise ValueError(f"Rollout {rid} not found")
-    return list(range(int(end) - count + 1, int(end) + 1))
+    return _rollout_update().values(span_seq=R.c.span_seq + bindparam("s_count")).returning(R.c.span_seq)
 
 
 def reserve_sequence_ids(ctx: UnitContext, run_id: int, pairs: Sequence[tuple[str, str]]) -> list[int]:
@@ -94,15 +75,15 @@ def reserve_sequence_ids(ctx: UnitContext, run_id: int, pairs: Sequence[tuple[st
     several rollouts lock them all first, so that an unknown one changes nothing."""
     if not pairs:
         return []
-    counts = _counts(pairs)
+    counts = Counter(rid for rid, _aid in pairs)  # in order of first use
     if len(counts) == 1:
         ((rid, count),) = counts.items()
-        end = ctx.execute(*_bump_one(run_id, rid, count)).scalar_one_or_none()
-        return _ids_of_one_rollout(rid, count, end)
-    locked = _lock_rollouts(ctx, run_id, list(counts))
-    for rid in counts:
-        if rid not in locked:
+        params = {"s_run_id": run_id, "s_rollout_id": rid, "s_count": count}
+        end = ctx.execute(cached("span_bump_counter", _bump_counter), params).scalar_one_or_none()
+        if end is None:
             raise ValueError(f"Rollout {rid} not found")
+        return list(range(int(end) - count + 1, int(end) + 1))
+    locked = _lock_rollouts(ctx, run_id, list(counts))
     next_value: dict[str, int] = {}
     for rid in sorted(counts):
         start = int(locked[rid].span_seq)
@@ -195,9 +176,6 @@ def _lock_groups(
             raise ValueError(f"Attempt {aid} not found for rollout {rid}")
         return {rid: rollout_row}, {(rid, aid): attempt_row}
     locked = _lock_rollouts(ctx, run_id, [rid for rid, _ in groups])
-    for rid, _aid in groups:
-        if rid not in locked:
-            raise ValueError(f"Rollout {rid} not found")
     attempt_rows = {(r.rollout_id, r.attempt_id): r for r in _lock_attempts(ctx, run_id, sorted(groups))}
     for rid, aid in groups:
         if (rid, aid) not in attempt_rows:
@@ -220,7 +198,7 @@ def _lock_attempts(ctx: UnitContext, run_id: int, pairs: list[tuple[str, str]]) 
             ("span_lock_attempt", ctx.dialect),
             lambda: d.for_update(
                 ctx,
-                select(A.c.rollout_id, A.c.attempt_id, A.c.sequence_id, A.c.status).where(
+                select(*_LOCKED_ATTEMPT_COLUMNS).where(
                     A.c.run_id == bindparam("s_run_id"),
                     A.c.rollout_id == bindparam("s_rollout_id"),
                     A.c.attempt_id == bindparam("s_attempt_id"),
@@ -233,7 +211,7 @@ def _lock_attempts(ctx: UnitContext, run_id: int, pairs: list[tuple[str, str]]) 
         ctx.execute(
             d.for_update(
                 ctx,
-                select(A.c.rollout_id, A.c.attempt_id, A.c.sequence_id, A.c.status)
+                select(*_LOCKED_ATTEMPT_COLUMNS)
                 .where(A.c.run_id == run_id, tuple_(A.c.rollout_id, A.c.attempt_id).in_(pairs))
                 .order_by(A.c.rollout_id, A.c.attempt_id),
             )
@@ -257,12 +235,7 @@ def _heartbeat(ctx: UnitContext, run_id: int, now: float, rid: str, aid: str, ro
     )
     ctx.execute(beat, {"s_run_id": run_id, "s_rollout_id": rid, "s_attempt_id": aid, "s_now": now})
     if attempt.sequence_id == rollout.attempt_count and rollout.status in ("preparing", *QUEUED_STATUSES):
-        promote = cached(
-            "span_promote",
-            lambda: update(R)
-            .where(R.c.run_id == bindparam("s_run_id"), R.c.rollout_id == bindparam("s_rollout_id"))
-            .values(status="running", queue_seq=None),
-        )
+        promote = cached("span_promote", lambda: _rollout_update().values(status="running", queue_seq=None))
         ctx.execute(promote, {"s_run_id": run_id, "s_rollout_id": rid})
 
 
@@ -287,7 +260,7 @@ def _limit(field: str) -> int | None:
     return None if field == "name" else MAX_ID_BYTES
 
 
-def _span_query(ctx: Any, shape: tuple[Any, ...]) -> tuple[Any, Any]:
+def _span_query(ctx: UnitContext, shape: tuple[Any, ...]) -> tuple[Any, Any]:
     """(page statement, count statement) for one query shape, with ``q_*`` placeholders."""
     rid_ok, attempt_mode, exact, contains, logic, sort_by, sort_order, has_limit, has_offset = shape
     run_id: Any = bindparam("q_run_id")
@@ -347,43 +320,6 @@ def query_spans(
 ) -> PaginatedResult[Span]:
     """One page of a rollout's spans and the number of matches, through a statement prebuilt per
     query shape (which filters are present, attempt mode, sort, pagination)."""
-    page, count, params = span_page(
-        ctx.dialect, run_id, rollout_id, attempt_id, exact, contains, filter_logic, limit, offset, sort_by, sort_order
-    )
-    rows, total = f.fetch_page(ctx, page, count, params, limit, offset)
-    return page_of_spans(rows, limit, offset, total)
-
-
-def page_of_spans(rows: Sequence[Any], limit: int, offset: int, total: int) -> PaginatedResult[Span]:
-    """``query_spans``' result from the page statement's rows."""
-    return PaginatedResult(items=[span_from_row(r) for r in rows], limit=limit, offset=offset, total=total)
-
-
-class _Dialect:
-    """What the statement builders read of a unit's context: its dialect's name."""
-
-    __slots__ = ("dialect",)
-
-    def __init__(self, dialect: str) -> None:
-        self.dialect = dialect
-
-
-def span_page(
-    dialect: str,
-    run_id: int,
-    rollout_id: str,
-    attempt_id: str | None,
-    exact: dict[str, str | None],
-    contains: dict[str, str | None],
-    filter_logic: str,
-    limit: int,
-    offset: int,
-    sort_by: str | None,
-    sort_order: str,
-) -> tuple[Any, Any, dict[str, Any]]:
-    """``query_spans``' page and count statements, prebuilt per query shape, and the parameters of
-    this call (``q_limit`` / ``q_offset`` are ``filters.fetch_page``'s to bind).  Without pagination
-    the page statement alone answers the call (the total is its number of rows)."""
     if attempt_id is None or attempt_id == "latest":
         attempt_mode: Any = attempt_id
     else:
@@ -401,7 +337,7 @@ def span_page(
         limit != -1,
         offset != 0,
     )
-    page, count = cached(("query_spans", dialect, shape), lambda: _span_query(_Dialect(dialect), shape))
+    page, count = cached(("query_spans", ctx.dialect, shape), lambda: _span_query(ctx, shape))
     params: dict[str, Any] = {"q_run_id": run_id, "q_rollout_id": rollout_id}
     if attempt_mode is True:
         params["q_attempt_id"] = attempt_id
@@ -411,4 +347,5 @@ def span_page(
     for name, ok in zip(SPAN_FILTER_FIELDS, contains_shape, strict=True):
         if ok:
             params[f"q_{name}_contains"] = contains[name]
-    return page, count, params
+    rows, total = f.fetch_page(ctx, page, count, params, limit, offset)
+    return PaginatedResult(items=[span_from_row(r) for r in rows], limit=limit, offset=offset, total=total)

@@ -21,8 +21,12 @@ R = s.rollouts
 A = s.attempts
 W = s.workers
 
-# "Still in flight" inside executemany updates (which cannot expand an IN list of bound values).
-_STILL_IN_FLIGHT = or_(*(R.c.status == status for status in IN_FLIGHT_STATUSES))
+# An executemany UPDATE of rollouts still in flight (it cannot expand an IN list of bound values).
+_UPDATE_IN_FLIGHT = update(R).where(
+    R.c.run_id == bindparam("b_run"),
+    R.c.rollout_id == bindparam("b_rollout"),
+    or_(*(R.c.status == status for status in IN_FLIGHT_STATUSES)),
+)
 
 # Attempts re-checked and updated per statement (3 bound values each: well within driver limits).
 RECHECK_CHUNK = 500
@@ -121,27 +125,10 @@ def expire_leases(ctx: UnitContext, run_id: int | None, now: float) -> int:
             requeue_params.append({"b_run": hit.run_id, "b_rollout": hit.rollout_id, "b_pos": pos})
         ctx.announce(rid_run, "queued")
     if requeue_params:
-        ctx.execute(
-            update(R)
-            .where(
-                R.c.run_id == bindparam("b_run"),
-                R.c.rollout_id == bindparam("b_rollout"),
-                _STILL_IN_FLIGHT,
-            )
-            .values(status="requeuing", queue_seq=bindparam("b_pos")),
-            requeue_params,
-        )
+        requeue_stmt = _UPDATE_IN_FLIGHT.values(status="requeuing", queue_seq=bindparam("b_pos"))
+        ctx.execute(requeue_stmt, requeue_params)
     if fail:
-        ctx.execute(
-            update(R)
-            .where(
-                R.c.run_id == bindparam("b_run"),
-                R.c.rollout_id == bindparam("b_rollout"),
-                _STILL_IN_FLIGHT,
-            )
-            .values(status="failed", end_time=now, queue_seq=None),
-            fail,
-        )
+        ctx.execute(_UPDATE_IN_FLIGHT.values(status="failed", end_time=now, queue_seq=None), fail)
         for run in {f["b_run"] for f in fail}:
             ctx.announce(run, "finished")
     if workers:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning_sql.store.sql import rollouts as ro
+from lightning_sql.store.sql.executor import EncodedJson
 from lightning_sql.store.sql.rows import encoded
 from lightning_sql.types import (
     Attempt,
@@ -22,14 +23,24 @@ ROLLOUT_STATUSES = ("queuing", "preparing", "running", "failed", "succeeded", "c
 ATTEMPT_STATUSES = ("preparing", "running", "failed", "succeeded", "unresponsive", "timeout")
 MODES = ("train", "val", "test")
 
+# The smallest valid instance of each model, to validate one field through the model.
+_PROBES: dict[str, tuple[type[Rollout] | type[Attempt], dict[str, Any]]] = {
+    "Rollout": (Rollout, {"rollout_id": "x", "input": None, "start_time": 0.0}),
+    "Attempt": (Attempt, {"rollout_id": "x", "attempt_id": "y", "sequence_id": 1, "start_time": 0.0}),
+}
+
+
+def _validated(model: str, field: str, value: Any) -> Any:
+    """``value`` as pydantic makes it for ``field`` of ``model``, or pydantic's ValidationError, so
+    the caller gets the error upstream raises."""
+    cls, probe = _PROBES[model]
+    return getattr(cls.model_validate({**probe, field: value}), field)
+
 
 def invalid_rollout_field(field: str, value: Any, model: str = "Rollout") -> None:
     """Raise pydantic's ValidationError for a value a model field cannot take (as upstream), or a
     ``TypeError`` naming the field when pydantic would coerce it (e.g. pairs into a dict)."""
-    if model == "Attempt":
-        Attempt.model_validate({"rollout_id": "x", "attempt_id": "y", "sequence_id": 1, "start_time": 0.0, field: value})
-    else:
-        Rollout.model_validate({"rollout_id": "x", "input": None, "start_time": 0.0, field: value})
+    _validated(model, field, value)
     raise TypeError(f"{field} must be a dict or None, got a value of type {type(value).__name__}")
 
 
@@ -37,18 +48,12 @@ def validate_literal(value: Any, allowed: Sequence[str], field: str, model: str)
     if value not in allowed:
         from pydantic import ValidationError
 
-        # Validate through the model so the caller gets pydantic's ValidationError, as upstream.
-        if model == "Rollout":
-            Rollout.model_validate({"rollout_id": "x", "input": None, "start_time": 0.0, field: value})
-        elif model == "Attempt":
-            Attempt.model_validate(
-                {"rollout_id": "x", "attempt_id": "y", "sequence_id": 1, "start_time": 0.0, field: value}
-            )
+        _validated(model, field, value)
         raise ValidationError.from_exception_data(model, [])  # pragma: no cover - unreachable
 
 
 def new_rollout(
-default_rollout_config: RolloutConfig | None,
+    default_rollout_config: RolloutConfig | None,
     input: Any,
     mode: Any,
     resources_id: Any,
@@ -101,18 +106,13 @@ def attempt_changes(status: Any, worker_id: Any, last_heartbeat_time: Any, metad
         if last_heartbeat_time is not None and (
             isinstance(last_heartbeat_time, bool) or not isinstance(last_heartbeat_time, (int, float))
         ):
-            Attempt.model_validate(
-                {"rollout_id": "x", "attempt_id": "y", "sequence_id": 1, "start_time": 0.0,
-                 "last_heartbeat_time": last_heartbeat_time}
-            )
+            _validated("Attempt", "last_heartbeat_time", last_heartbeat_time)
             last_heartbeat_time = float(last_heartbeat_time)  # pydantic accepted it as a number
         if last_heartbeat_time is not None and not math.isfinite(last_heartbeat_time):
             raise ValueError(f"last_heartbeat_time must be a finite number, got {last_heartbeat_time!r}")
         changes["last_heartbeat_time"] = None if last_heartbeat_time is None else float(last_heartbeat_time)
     if not isinstance(metadata, Unset):
-        if metadata is not None and not isinstance(metadata, dict):
-            invalid_rollout_field("metadata", metadata, "Attempt")
-        changes["metadata"] = encoded(metadata, "metadata")
+        changes["metadata"] = _metadata(metadata, "Attempt")
     return changes
 
 
@@ -134,15 +134,18 @@ def rollout_changes(input: Any, mode: Any, resources_id: Any, status: Any, confi
         changes["status"] = status
     if not isinstance(config, Unset):
         if not isinstance(config, RolloutConfig):
-            config = Rollout.model_validate(
-                {"rollout_id": "x", "input": None, "start_time": 0.0, "config": config}
-            ).config
+            config = _validated("Rollout", "config", config)
         changes["config"] = config
     if not isinstance(metadata, Unset):
-        if metadata is not None and not isinstance(metadata, dict):
-            invalid_rollout_field("metadata", metadata)
-        changes["metadata"] = encoded(metadata, "metadata")
+        changes["metadata"] = _metadata(metadata, "Rollout")
     return changes
+
+
+def _metadata(metadata: Any, model: str) -> EncodedJson | None:
+    """An update's ``metadata`` (a dict or None), checked and encoded."""
+    if metadata is not None and not isinstance(metadata, dict):
+        invalid_rollout_field("metadata", metadata, model)
+    return encoded(metadata, "metadata")
 
 
 def json_roundtrip_value(value: Any) -> Any:

@@ -158,7 +158,6 @@ def query_workers(
     offset: int,
 ) -> PaginatedResult[Worker]:
     """One page of the run's workers."""
-    W = s.workers
     conditions = []
     if status_list is not None:
         conditions.append(f.within(W.c.status, status_list))
