@@ -220,54 +220,17 @@ def _claim_statement(returning: Sequence[Any], *, with_worker: bool) -> Any:
     return stmt.add_cte(upsert.returning(W.c.worker_id).cte("worker_sync"))
 
 
-def insert_new_spans(
-    ctx: UnitContext, run_id: int, rows: Sequence[dict[str, Any]]
-) -> set[tuple[str, str, str]]:
+def insert_new_spans(ctx: UnitContext, rows: Sequence[dict[str, Any]]) -> set[tuple[str, str, str]]:
     """Insert span rows (distinct keys) except those already stored; the (rollout, attempt, span) keys
-    inserted.
-
-    PostgreSQL: one ``INSERT ... ON CONFLICT DO NOTHING RETURNING`` (concurrent writers decide by
-    the unique key).  SQLite runs an insert with ``RETURNING`` once per row; for more than two rows,
-    since its writers are serialised (``BEGIN IMMEDIATE``), one look-up of the span ids already
-    stored per (rollout, attempt) and one ``executemany`` of the others give the same answer.
-    """
-    keys = [(row["rollout_id"], row["attempt_id"], row["span_id"]) for row in rows]
+    inserted.  One ``INSERT ... ON CONFLICT DO NOTHING RETURNING`` on both dialects (SQLAlchemy sends
+    a list of rows as multi-row statements): concurrent writers decide by the unique key."""
     S = s.spans
-    rows = _json_marked(rows)  # the statements below bind the JSON columns through the serializer
-    if ctx.dialect == "postgresql" or len(rows) <= 2:  # SQLite: a row or two are as cheap this way
-        stmt = cached(
-            ("span_insert_returning", ctx.dialect),
-            lambda: insert(ctx, S)
-            .on_conflict_do_nothing()
-            .returning(S.c.rollout_id, S.c.attempt_id, S.c.span_id),
-        )
-        return {(r[0], r[1], r[2]) for r in ctx.execute(stmt, list(rows))}
-    stored = cached(
-        "span_ids_stored",
-        lambda: select(S.c.span_id).where(
-            S.c.run_id == bindparam("sk_run_id"),
-            S.c.rollout_id == bindparam("sk_rollout_id"),
-            S.c.attempt_id == bindparam("sk_attempt_id"),
-            S.c.span_id.in_(bindparam("sk_span_ids", expanding=True)),
-        ),
+    stmt = cached(
+        ("span_insert_returning", ctx.dialect),
+        lambda: insert(ctx, S).on_conflict_do_nothing().returning(S.c.rollout_id, S.c.attempt_id, S.c.span_id),
     )
-    by_group: dict[tuple[str, str], list[str]] = {}
-    for rid, aid, sid in keys:
-        by_group.setdefault((rid, aid), []).append(sid)
-    existing: set[tuple[str, str, str]] = set()
-    for (rid, aid), span_ids in by_group.items():
-        for start in range(0, len(span_ids), 500):  # within SQLite's limit on bound variables
-            params = {
-                "sk_run_id": run_id,
-                "sk_rollout_id": rid,
-                "sk_attempt_id": aid,
-                "sk_span_ids": span_ids[start : start + 500],
-            }
-            existing.update((rid, aid, r[0]) for r in ctx.execute(stored, params))
-    new_rows = [row for row, key in zip(rows, keys, strict=True) if key not in existing]
-    if new_rows:
-        ctx.execute(cached("span_insert_sqlite", lambda: sqlite.insert(S).on_conflict_do_nothing()), new_rows)
-    return {key for key in keys if key not in existing}
+    # The JSON columns bind through the engine's serializer, which passes EncodedJson through.
+    return {(r[0], r[1], r[2]) for r in ctx.execute(stmt, _json_marked(rows))}
 
 
 def _json_marked(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -143,7 +143,7 @@ def add_spans(
         seen.add(key)
         unique_rows.append(row)
         unique_index.append(index)
-    inserted_keys = d.insert_new_spans(ctx, run_id, unique_rows)
+    inserted_keys = d.insert_new_spans(ctx, unique_rows)
     inserted: list[Span] = []
     touched: set[tuple[str, str]] = set()
     for index in unique_index:
