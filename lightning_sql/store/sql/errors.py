@@ -53,15 +53,8 @@ PG_DENIED_SQLSTATES = frozenset({"42501"})  # insufficient_privilege: a role wit
 
 # asyncpg's connection-level exceptions, by name (they carry no SQLSTATE when raised by the client).
 _CONNECTION_ERROR_NAMES = frozenset(
-    {
-        "ConnectionDoesNotExistError",
-        "InterfaceError",
-        "CannotConnectNowError",
-        "ConnectionFailureError",
-        "PostgresConnectionError",
-        "InternalClientError",
-        "TooManyConnectionsError",
-    }
+    "ConnectionDoesNotExistError InterfaceError CannotConnectNowError ConnectionFailureError "
+    "PostgresConnectionError InternalClientError TooManyConnectionsError".split()
 )
 
 RETRY_BASE_DELAY_S = 0.01  # first back-off after a transient error; doubles up to the cap

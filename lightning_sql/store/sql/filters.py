@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import ColumnElement, Table, and_, case, false, func, literal, or_, select, true
+from sqlalchemy import ColumnElement, Table, and_, bindparam, case, false, func, literal, or_, select, true
 
 from lightning_sql.store.sql import schema as s
 from lightning_sql.types import PaginatedResult
@@ -199,23 +199,20 @@ def fetch_page(
 
 def paginate(
     ctx: Any,
-    stmt: Any,
     table: Any,
     where: list[Any],
     order: list[Any],
     limit: int,
     offset: int,
-    build: Callable[[Sequence[Any]], list[Any]],
+    build: Callable[[Any], Any],
 ) -> PaginatedResult[Any]:
-    """Count the matches and fetch one page in the requested order (at most two statements)."""
-    page = stmt.order_by(*order)
+    """The rows of ``table`` matching ``where``: one page in ``order``, each made by ``build``, and the
+    number of matches (``fetch_page``)."""
+    page = select(table).where(*where).order_by(*order)
     if limit != -1:
-        page = page.limit(limit)
+        page = page.limit(bindparam("q_limit"))
     if offset:
-        page = page.offset(offset)
-    rows = ctx.execute(page).all() if limit != 0 else []
-    if limit == -1 and offset == 0:
-        total = len(rows)
-    else:
-        total = int(ctx.execute(select(func.count()).select_from(table).where(*where)).scalar_one())
-    return PaginatedResult(items=build(rows), limit=limit, offset=offset, total=total)
+        page = page.offset(bindparam("q_offset"))
+    count = select(func.count()).select_from(table).where(*where)
+    rows, total = fetch_page(ctx, page, count, {}, limit, offset)
+    return PaginatedResult(items=[build(row) for row in rows], limit=limit, offset=offset, total=total)

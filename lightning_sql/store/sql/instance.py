@@ -131,18 +131,17 @@ class StoreInstance:
             raise TypeError(f"clock_sync must be a bool or None, got {clock_sync!r}")
         if clock_sync and target.dialect == "sqlite":
             raise ValueError("clock_sync=True needs a server clock: SQLite has none (use PostgreSQL or clock_sync=False)")
-        for option, number in (
-            ("scan_debounce_seconds", scan_debounce_seconds),
-            ("connect_deadline_seconds", connect_deadline_seconds),
+        for option, number, optional in (
+            ("scan_debounce_seconds", scan_debounce_seconds, False),
+            ("connect_deadline_seconds", connect_deadline_seconds, False),
+            ("analyze_check_seconds", analyze_check_seconds, True),
         ):
+            if optional and number is None:
+                continue
             if isinstance(number, bool) or not isinstance(number, (int, float)):
-                raise TypeError(f"{option} must be a number, got {number!r}")
+                raise TypeError(f"{option} must be a number{' or None' if optional else ''}, got {number!r}")
         if connect_deadline_seconds < 0:
             raise ValueError(f"connect_deadline_seconds must be >= 0, got {connect_deadline_seconds!r}")
-        if analyze_check_seconds is not None and (
-            isinstance(analyze_check_seconds, bool) or not isinstance(analyze_check_seconds, (int, float))
-        ):
-            raise TypeError(f"analyze_check_seconds must be a number or None, got {analyze_check_seconds!r}")
         if analyze_check_seconds is not None and not analyze_check_seconds >= 0:
             raise ValueError(f"analyze_check_seconds must be >= 0 or None, got {analyze_check_seconds!r}")
         if default_rollout_config is not None and not isinstance(default_rollout_config, RolloutConfig):

@@ -57,9 +57,7 @@ class PostgresExecutor(Executor):
     def __init__(self, target: DatabaseTarget, *, schema: str | None, options: dict[str, Any]) -> None:
         super().__init__(target, schema=schema, options=options)
         opts = {**target.options, **options}
-        self.pool_size = int(opts.get("pool_size", PG_POOL_SIZE))
-        if self.pool_size < 1:
-            raise ValueError(f"pool_size must be >= 1, got {self.pool_size}")
+        self.pool_size = int(opts.get("pool_size", PG_POOL_SIZE))  # checked by the store and normalise_url
         self.listen = bool(opts.get("listen", True))
         self._listen_url = opts.get("listen_url")
         # LISTEN elsewhere (listen_url) or not at all: the URL goes through a transaction pooler such

@@ -193,20 +193,8 @@ def _log_duplicate(span: Span) -> None:
 
 
 def _lock_attempts(ctx: UnitContext, run_id: int, pairs: list[tuple[str, str]]) -> list[Any]:
-    if len(pairs) == 1:
-        stmt = cached(
-            ("span_lock_attempt", ctx.dialect),
-            lambda: d.for_update(
-                ctx,
-                select(*_LOCKED_ATTEMPT_COLUMNS).where(
-                    A.c.run_id == bindparam("s_run_id"),
-                    A.c.rollout_id == bindparam("s_rollout_id"),
-                    A.c.attempt_id == bindparam("s_attempt_id"),
-                ),
-            ),
-        )
-        ((rid, aid),) = pairs
-        return list(ctx.execute(stmt, {"s_run_id": run_id, "s_rollout_id": rid, "s_attempt_id": aid}))
+    """The attempt rows of several (rollout, attempt) pairs, locked in key order (one pair takes
+    ``dialect.lock_rollout_and_attempt`` with its rollout instead)."""
     return list(
         ctx.execute(
             d.for_update(

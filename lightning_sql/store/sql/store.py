@@ -13,11 +13,10 @@ import asyncio
 import logging
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, TypeVar
 
 from opentelemetry.sdk.trace import ReadableSpan
-from sqlalchemy import select
 
 from lightning_sql.store.base import LightningStore
 from lightning_sql.store.sql import attempts, claims, validation
@@ -276,15 +275,20 @@ class SqlLightningStore(StoreInstance, LightningStore):
         return await self._call("query_rollouts", unit, write=False, sweeps=True)
 
     async def get_rollout_by_id(self, rollout_id: str) -> Rollout | AttemptedRollout | None:
+        return await self._read_of_rollout("get_rollout_by_id", ro.get_rollout, rollout_id)
+
+    async def _read_of_rollout(
+        self, method: str, read: Callable[[UnitContext, int, str], T], rollout_id: str
+    ) -> T | None:
+        """A read of one rollout by id; an id that cannot be stored matches nothing (no I/O but the sweep)."""
         if not is_storable_text(rollout_id):
             await self._sweep_only()
             return None
-        return await self._call(
-            "get_rollout_by_id",
-            lambda ctx, run_id, now: ro.get_rollout(ctx, run_id, rollout_id),
-            write=False,
-            sweeps=True,
-        )
+
+        def unit(ctx: UnitContext, run_id: int, now: float) -> T:
+            return read(ctx, run_id, rollout_id)
+
+        return await self._call(method, unit, write=False, sweeps=True)
 
     async def query_attempts(
         self,
@@ -302,29 +306,13 @@ class SqlLightningStore(StoreInstance, LightningStore):
         def unit(ctx: UnitContext, run_id: int, now: float) -> PaginatedResult[Attempt]:
             A = s.attempts
             where = [A.c.run_id == run_id, A.c.rollout_id == rollout_id if storable else f.false()]
-            return f.paginate(
-                ctx,
-                select(A).where(*where),
-                A,
-                where,
-                f.order_by(f.ATTEMPT_SORT, sort_by, sort_order),
-                limit,
-                offset,
-                lambda rows: [attempt_from_row(r) for r in rows],
-            )
+            order = f.order_by(f.ATTEMPT_SORT, sort_by, sort_order)
+            return f.paginate(ctx, A, where, order, limit, offset, attempt_from_row)
 
         return await self._call("query_attempts", unit, write=False, sweeps=True)
 
     async def get_latest_attempt(self, rollout_id: str) -> Attempt | None:
-        if not is_storable_text(rollout_id):
-            await self._sweep_only()
-            return None
-        return await self._call(
-            "get_latest_attempt",
-            lambda ctx, run_id, now: ro.get_latest_attempt(ctx, run_id, rollout_id),
-            write=False,
-            sweeps=True,
-        )
+        return await self._read_of_rollout("get_latest_attempt", ro.get_latest_attempt, rollout_id)
 
     # --- waits ----------------------------------------------------------------------------------
 
@@ -497,12 +485,8 @@ class SqlLightningStore(StoreInstance, LightningStore):
         f.check_sort(f.SPAN_SORT, sort_by, sort_order)
         f.check_pagination(limit, offset)
         exact = {"trace_id": trace_id, "span_id": span_id, "parent_id": parent_id, "name": name}
-        contains = {
-            "trace_id": trace_id_contains,
-            "span_id": span_id_contains,
-            "parent_id": parent_id_contains,
-            "name": name_contains,
-        }
+        given = (trace_id_contains, span_id_contains, parent_id_contains, name_contains)
+        contains = dict(zip(exact, given, strict=True))
         for label, value in [*exact.items(), *((k + "_contains", v) for k, v in contains.items())]:
             if value is not None and not isinstance(value, str):
                 raise TypeError(f"{label} must be a str or None, got a value of type {type(value).__name__}")
@@ -590,16 +574,8 @@ class SqlLightningStore(StoreInstance, LightningStore):
                     if is_storable_text(resources_id_contains)
                     else f.false()
                 )
-            return f.paginate(
-                ctx,
-                select(RS).where(*where),
-                RS,
-                where,
-                f.order_by(f.RESOURCES_SORT, sort_by, sort_order),
-                limit,
-                offset,
-                lambda rows: [resources_from_row(r) for r in rows],
-            )
+            order = f.order_by(f.RESOURCES_SORT, sort_by, sort_order)
+            return f.paginate(ctx, RS, where, order, limit, offset, resources_from_row)
 
         return await self._call("query_resources", unit, write=False)
 

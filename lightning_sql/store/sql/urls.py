@@ -21,14 +21,8 @@ def mask_url(url: URL | str) -> str:
 
 # --- URL normalisation ------------------------------------------------------------------------
 
-_PG_DRIVER_ALIASES = {
-    "postgresql",
-    "postgres",
-    "postgresql+psycopg2",
-    "postgresql+psycopg",
-    "postgresql+asyncpg",
-    "postgresql+pg8000",
-}
+_PG_DRIVERS = ("psycopg2", "psycopg", "asyncpg", "pg8000")
+_PG_DRIVER_ALIASES = {"postgresql", "postgres", *(f"postgresql+{driver}" for driver in _PG_DRIVERS)}
 # libpq query options that asyncpg takes under another name (or not at all).
 _LIBPQ_TRANSLATIONS = {"sslmode": "ssl", "connect_timeout": "timeout", "application_name": None}
 

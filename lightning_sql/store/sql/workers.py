@@ -168,13 +168,5 @@ def query_workers(
     where = [W.c.run_id == run_id]
     if conditions:
         where.append(f.pool(conditions, filter_logic))
-    return f.paginate(
-        ctx,
-        select(W).where(*where),
-        W,
-        where,
-        f.order_by(f.WORKER_SORT, sort_by, sort_order),
-        limit,
-        offset,
-        lambda rows: [worker_from_row(r) for r in rows],
-    )
+    order = f.order_by(f.WORKER_SORT, sort_by, sort_order)
+    return f.paginate(ctx, W, where, order, limit, offset, worker_from_row)
