@@ -155,7 +155,7 @@ def _attempt_writes(
     writes = [_row_write(A, keys, values, prefix="ua_", returning=True)]
     status = values.get("status", attempt_row.status)
     if "status" in changes and attempt_row.sequence_id == row.attempt_count and row.status != "cancelled":
-        new_status = rollout_status_from_attempt(status, attempt_row.sequence_id, config_from(row._mapping))
+        new_status = rollout_status_from_attempt(status, attempt_row.sequence_id, config_from(row))
         if new_status != row.status:
             rvalues: dict[str, Any] = {"status": new_status}
             if new_status in FINISHED_STATUSES:

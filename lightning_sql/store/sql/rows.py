@@ -62,7 +62,8 @@ def _mapping(row: Any) -> Any:
     return row
 
 
-def config_from(m: Any) -> RolloutConfig:
+def config_from(row: Any) -> RolloutConfig:
+    m = _mapping(row)
     return RolloutConfig.model_construct(
         timeout_seconds=m["timeout_seconds"],
         unresponsive_seconds=m["unresponsive_seconds"],
