@@ -29,7 +29,24 @@ N_QUICKSTART_VERSIONS = 12
 
 def _quickstart(url: str, cwd: Path) -> subprocess.Popen[str]:
     cmd = [sys.executable, str(EXAMPLES / "quickstart.py"), "--url", url, "--runners", "4"]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd)
+    # PYTHONFAULTHANDLER: a run that does not end in time is aborted with every thread's stack shown.
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd, env=env)
+
+
+def _output(process: subprocess.Popen[str], timeout: float) -> str:
+    """The process's output once it has ended; past ``timeout`` the test fails with the stacks of its
+    threads (SIGABRT makes faulthandler print them)."""
+    try:
+        return process.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGABRT)
+        try:
+            out = process.communicate(timeout=30)[0]
+        except subprocess.TimeoutExpired:
+            process.kill()
+            out = process.communicate()[0]
+        pytest.fail(f"the quickstart had not ended after {timeout} s; its output and stacks:\n{out}")
 
 
 async def _finished(url: str) -> int:
@@ -56,7 +73,7 @@ async def _learning(url: str) -> tuple[FitSummary, int | None, Counter[str | Non
 def test_quickstart_learns_across_versions_and_reports_the_finished_run(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'quick.db'}"
     first = _quickstart(url, tmp_path)
-    out, _ = first.communicate(timeout=180)
+    out = _output(first, 180)
     assert first.returncode == 0, out
     assert f"{N_QUICKSTART_ROLLOUTS}/{N_QUICKSTART_ROLLOUTS}" in out
     assert "what the prompt search learned" in out and "the best prompt, on val" in out
@@ -71,7 +88,7 @@ def test_quickstart_learns_across_versions_and_reports_the_finished_run(tmp_path
     assert max(train.values()) > train[1] + 0.3
 
     again = _quickstart(url, tmp_path)
-    out, _ = again.communicate(timeout=180)
+    out = _output(again, 180)
     assert again.returncode == 0, out
     assert "is complete" in out and "The run was already complete: nothing ran" in out
     assert asyncio.run(_learning(url))[1] == N_QUICKSTART_VERSIONS  # nothing published again
@@ -86,14 +103,14 @@ def test_quickstart_resumes_mid_search(tmp_path: Path) -> None:
         assert time.monotonic() < deadline
         time.sleep(0.05)
     first.send_signal(signal.SIGINT)
-    out, _ = first.communicate(timeout=60)
+    out = _output(first, 60)
     assert first.returncode == 130, out
     assert "Run the same command again to resume" in out
     interrupted = asyncio.run(_finished(url))
     assert interrupted < N_QUICKSTART_ROLLOUTS
 
     again = _quickstart(url, tmp_path)
-    out, _ = again.communicate(timeout=180)
+    out = _output(again, 180)
     assert again.returncode == 0, out
     assert "Resuming run quickstart" in out
     summary, latest, keys = asyncio.run(_learning(url))
