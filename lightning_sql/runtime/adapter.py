@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from enum import StrEnum
 from typing import Any, Generic, TypeVar
 
@@ -276,7 +276,7 @@ class TracerTraceToTriplet(TraceAdapter[list[Triplet]]):
         return matched
 
 
-def _indexed_messages(attributes: dict[str, Any], prefix: str) -> list[dict[str, Any]]:
+def indexed_messages(attributes: Mapping[str, Any], prefix: str) -> list[dict[str, Any]]:
     """Collect ``<prefix>.<i>.<field>`` attributes into a list of dicts ordered by ``i``."""
     pattern = re.compile(re.escape(prefix) + r"\.(\d+)\.(.+)$")
     messages: dict[int, dict[str, Any]] = {}
@@ -307,8 +307,8 @@ def _token_ids(attributes: dict[str, Any], *keys: str) -> list[int]:
 
 def _prompt_and_response(span: Span) -> tuple[dict[str, Any], dict[str, Any]]:
     attrs = dict(span.attributes)
-    prompt_messages: Any = _indexed_messages(attrs, "gen_ai.prompt") or _json_messages(attrs.get("gen_ai.input.messages"))
-    response_messages: Any = _indexed_messages(attrs, "gen_ai.completion") or _json_messages(
+    prompt_messages: Any = indexed_messages(attrs, "gen_ai.prompt") or _json_messages(attrs.get("gen_ai.input.messages"))
+    response_messages: Any = indexed_messages(attrs, "gen_ai.completion") or _json_messages(
         attrs.get("gen_ai.output.messages")
     )
     prompt = {

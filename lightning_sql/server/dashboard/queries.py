@@ -63,7 +63,7 @@ def bucket(dialect: str, value: ColumnElement[Any], origin: float, width: float)
 # --- runs ---------------------------------------------------------------------------------------
 
 
-def run_row(run_id: int) -> Select[Any]:
+def _runs_with_activity() -> Select[Any]:
     return select(
         runs.c.run_id,
         runs.c.name,
@@ -71,7 +71,11 @@ def run_row(run_id: int) -> Select[Any]:
         runs.c.created_at,
         runs.c.finished_at,
         newest_start(runs.c.run_id).label("newest_start"),
-    ).where(runs.c.run_id == run_id)
+    )
+
+
+def run_row(run_id: int) -> Select[Any]:
+    return _runs_with_activity().where(runs.c.run_id == run_id)
 
 
 def status_counts(run_id: int | None = None) -> Select[Any]:
@@ -96,14 +100,7 @@ def newest_start(run_id: Any) -> Any:
 
 
 def run_list_with_activity() -> Select[Any]:
-    return select(
-        runs.c.run_id,
-        runs.c.name,
-        runs.c.status,
-        runs.c.created_at,
-        runs.c.finished_at,
-        newest_start(runs.c.run_id).label("newest_start"),
-    ).order_by(runs.c.run_id.desc())
+    return _runs_with_activity().order_by(runs.c.run_id.desc())
 
 
 def worker_heartbeats(run_id: int | None = None) -> Select[Any]:

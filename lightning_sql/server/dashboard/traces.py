@@ -9,10 +9,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_sql.runtime.adapter import indexed_messages
 from lightning_sql.store.sql.views import LLM_CALL_SPAN_NAME, REWARD_KEY_PREFIX, REWARD_SPAN_NAME
 
 _REWARD_VALUE = re.compile(re.escape(REWARD_KEY_PREFIX) + r"(\d+)\.value$")
-_INDEXED = r"\.(\d+)\.(.+)$"
 _LEGACY_REWARD_SPAN = "agentlightning.reward"
 
 
@@ -119,16 +119,6 @@ class LlmCall:
     usage: dict[str, Any]
 
 
-def _indexed(attributes: Mapping[str, Any], prefix: str) -> list[Mapping[str, Any]]:
-    pattern = re.compile(re.escape(prefix) + _INDEXED)
-    messages: dict[int, dict[str, Any]] = {}
-    for key, value in attributes.items():
-        m = pattern.match(key)
-        if m:
-            messages.setdefault(int(m.group(1)), {})[m.group(2)] = value
-    return [messages[i] for i in sorted(messages)]
-
-
 def _json_list(value: Any) -> list[Mapping[str, Any]]:
     if isinstance(value, str):
         try:
@@ -157,8 +147,8 @@ def _token_ids(attributes: Mapping[str, Any], *keys: str) -> list[Any] | None:
 
 def llm_call(attributes: Mapping[str, Any]) -> LlmCall:
     """The messages, response, token ids, model and usage an LLM-call span carries."""
-    prompt = _indexed(attributes, "gen_ai.prompt") or _json_list(attributes.get("gen_ai.input.messages"))
-    response = _indexed(attributes, "gen_ai.completion") or _json_list(attributes.get("gen_ai.output.messages"))
+    prompt = indexed_messages(attributes, "gen_ai.prompt") or _json_list(attributes.get("gen_ai.input.messages"))
+    response = indexed_messages(attributes, "gen_ai.completion") or _json_list(attributes.get("gen_ai.output.messages"))
     usage = {k.removeprefix("gen_ai.usage."): v for k, v in attributes.items() if k.startswith("gen_ai.usage.")}
     model = attributes.get("gen_ai.response.model") or attributes.get("gen_ai.request.model")
     return LlmCall(
