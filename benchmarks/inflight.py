@@ -5,13 +5,13 @@
 Runs W1's runners' phase (claim, sequence ids, ``add_many_spans``, succeed; the queue filled
 first, no read-back) on a fresh PostgreSQL schema and reports, per lifecycle, the wall time and
 the client process's CPU, the share of the wall time during which at least one statement is in
-flight (from asyncpg's ``PreparedStatement.fetch`` being called to its return), and each kind of
+flight (from asyncpg's ``Connection.fetch`` being called to its return), and each kind of
 statement: how many ran and how long each was in flight on average.  A share near 70% with
 exactly four statements per turn of R lifecycles is lock-step: every runner waits on the same
 statement, so the client works while the server waits and the reverse; near 95%, the runners fell
 into cohorts that overlap.
 
-It wraps ``asyncpg.prepared_stmt.PreparedStatement.fetch`` for the duration of the measurement (a
+It wraps ``asyncpg.Connection.fetch`` (what the store's batches call) for the duration of the measurement (a
 timer around the driver's call, the call itself unchanged) and restores it after.  The correctness
 check of W1 (every rollout claimed once) runs on every repetition.  No figure is asserted anywhere:
 this is a diagnostic.
@@ -69,23 +69,23 @@ def _kind(query: str) -> str:
 
 @contextlib.contextmanager
 def watching(flight: Flight) -> Iterator[None]:
-    """``flight`` records every asyncpg prepared-statement fetch of this process meanwhile."""
-    from asyncpg.prepared_stmt import PreparedStatement
+    """``flight`` records every asyncpg ``Connection.fetch`` of this process meanwhile."""
+    from asyncpg import Connection
 
-    original = PreparedStatement.fetch
+    original = Connection.fetch
 
-    async def fetch(self: Any, *args: Any, **kwargs: Any) -> Any:
+    async def fetch(self: Any, query: str, *args: Any, **kwargs: Any) -> Any:
         started = flight.started()
         try:
-            return await original(self, *args, **kwargs)
+            return await original(self, query, *args, **kwargs)
         finally:
-            flight.ended(_kind(self.get_query()), started)
+            flight.ended(_kind(query), started)
 
-    PreparedStatement.fetch = fetch  # type: ignore[method-assign]
+    Connection.fetch = fetch  # type: ignore[method-assign]
     try:
         yield
     finally:
-        PreparedStatement.fetch = original  # type: ignore[method-assign]
+        Connection.fetch = original  # type: ignore[method-assign]
 
 
 @dataclass

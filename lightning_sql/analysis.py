@@ -189,7 +189,6 @@ class AnalysisDatabase:
             connect_deadline_seconds=connect_deadline_seconds,
             **options,
         )
-        self._worker: Any = None
 
     @property
     def url(self) -> str:
@@ -202,16 +201,11 @@ class AnalysisDatabase:
 
     @property
     def schema(self) -> str | None:
-        return self.store._schema if self.dialect == "postgresql" else None
+        return self.store.schema
 
     def read(self, unit: Callable[[UnitContext], T]) -> T:
         """Run ``unit(ctx)`` in one read transaction (one snapshot) and return its result."""
-        if self._worker is None:
-            self._worker, _ = _run_coroutine(lambda: self.store._prepare(needs_run=False))
-        future = self._worker.submit(
-            unit, write=False, deadline_s=self.store.connect_deadline_seconds, snapshot=True
-        )
-        return future.result()  # type: ignore[no-any-return]
+        return _run_coroutine(lambda: self.store.run_sql(unit, snapshot=True, bound=False))  # type: ignore[no-any-return]
 
     def rows(self, stmt: Any) -> tuple[list[str], list[tuple[Any, ...]]]:
         """Column names and rows of a SQLAlchemy statement."""
@@ -257,7 +251,6 @@ class AnalysisDatabase:
         return run_id
 
     def close(self) -> None:
-        self._worker = None
         _run_coroutine(self.store.close)
 
     def __enter__(self) -> AnalysisDatabase:

@@ -495,13 +495,13 @@ async def check_invariants(store: SqlLightningStore, *, lifecycle: bool = True) 
     Like every run-scoped call it creates the run on a writable store; a ``read_only=True`` or
     ``create_run=False`` store raises the store's ``ValueError`` naming the run instead.
     """
-    worker, run_id = await store._prepare()
-    assert run_id is not None
-    # snapshot=True: one REPEATABLE READ READ ONLY transaction on PostgreSQL (a store's other read
-    # units run without a transaction there); SQLite's read transaction is a snapshot already.
-    return await store._submit(
-        worker, lambda ctx: check_run(ctx, run_id, lifecycle=lifecycle), write=False, snapshot=True
-    )
+    # snapshot=True: one REPEATABLE READ READ ONLY transaction on PostgreSQL (a store's other reads
+    # run without a transaction there); SQLite's read transaction is a snapshot already.
+    def check(ctx: UnitContext) -> list[str]:
+        assert ctx.run_id is not None
+        return check_run(ctx, ctx.run_id, lifecycle=lifecycle)
+
+    return await store.run_sql(check, snapshot=True)
 
 
 async def check_url(url: str, run: str, *, lifecycle: bool = True, **store_options: Any) -> list[str]:

@@ -97,11 +97,10 @@ def dry_run_summary(delete_run: str | None, counts: dict[str, Any], spans_before
 
 
 async def _delete_spans_in_batches(store: Any, run_ids: Sequence[int], cutoff: float, batch_rows: int) -> dict[str, int]:
-    """Delete the spans in short write transactions; the store has no public call for this."""
-    worker, _ = await store._prepare(needs_run=False)
+    """Delete the spans in short write transactions (``store.run_sql``: no store method does this)."""
     total, batches = 0, 0
     while True:
-        n = await store._submit(worker, lambda ctx: q.delete_spans_before(ctx, run_ids, cutoff, batch_rows), write=True)
+        n = await store.run_sql(lambda ctx: q.delete_spans_before(ctx, run_ids, cutoff, batch_rows), write=True, bound=False)
         total += n
         batches += int(n > 0)
         if n < batch_rows:

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from lightning_sql.runtime.fingerprint import canonical_json, content_digest
+from lightning_sql.store.base import PersistentStore
 from lightning_sql.types import (
     FINISHED_STATUSES,
     NamedResources,
@@ -102,7 +103,8 @@ class Algorithm:
 
     def get_rollout_config(self) -> RolloutConfig | None:
         """The config the store gives rollouts enqueued without one (the Trainer's lease)."""
-        return getattr(self._store, "default_rollout_config", None)
+        store = self._store
+        return store.default_rollout_config if isinstance(store, PersistentStore) else None
 
     def run(self, train_dataset: Sequence[Any] | None = None, val_dataset: Sequence[Any] | None = None) -> Any:
         raise NotImplementedError(f"{type(self).__name__} must implement run()")

@@ -16,6 +16,8 @@ import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from lightning_sql.store.base import PersistentStore
+
 if TYPE_CHECKING:
     from lightning_sql.store.base import LightningStore
 
@@ -112,11 +114,9 @@ async def check_fingerprint(
     Raises:
         RunChangedError: the run was started with another fingerprint and ``accept_changes`` is false.
     """
-    get_run = getattr(store, "get_run", None)
-    update = getattr(store, "update_run_metadata", None)
-    if run is None or get_run is None or update is None or getattr(store, "read_only", False):
+    if run is None or not isinstance(store, PersistentStore) or store.read_only:
         return []
-    row = await get_run(run)
+    row = await store.get_run(run)
     metadata: dict[str, Any] = dict((row.metadata if row is not None else None) or {})
     recorded = metadata.get(FINGERPRINT_KEY)
     if recorded == fingerprint:
@@ -143,5 +143,5 @@ async def check_fingerprint(
                 "that are still in the datasets and run the rest."
             )
     metadata[FINGERPRINT_KEY] = fingerprint
-    await update(metadata)
+    await store.update_run_metadata(metadata)
     return changes

@@ -18,6 +18,7 @@ from rich.markup import escape
 from lightning_sql.runtime.fingerprint import check_fingerprint, fit_fingerprint
 from lightning_sql.runtime.recovery import LeaseRecovery, release_stopped_local_workers
 from lightning_sql.runtime.summary import FitSummary, collect_summary
+from lightning_sql.store.base import PersistentStore
 from lightning_sql.types import FINISHED_STATUSES
 
 if TYPE_CHECKING:
@@ -58,8 +59,7 @@ async def prepare_fit(
         RunChangedError: the run was started with other data (nothing has been written).
     """
     start = FitStart(run=run)
-    get_run = getattr(store, "get_run", None)
-    row = await get_run(run) if get_run is not None and run is not None else None
+    row = await store.get_run(run) if isinstance(store, PersistentStore) and run is not None else None
     if row is not None and row.status == "finished":
         start.run_was_finished = True
         start.finished_at = row.finished_at

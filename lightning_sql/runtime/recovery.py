@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
+from lightning_sql.store.base import PersistentStore
 from lightning_sql.types import AttemptedRollout, RolloutStatus, Worker
 
 if TYPE_CHECKING:
@@ -120,14 +121,14 @@ class LeaseRecovery:
 async def release_stopped_local_workers(store: LightningStore) -> LeaseRecovery:
     """Hand back the attempts of gone local runner processes; count the in-flight rollouts left to leases."""
     recovery = LeaseRecovery()
-    if getattr(store, "read_only", False):
+    persistent = store if isinstance(store, PersistentStore) else None
+    if persistent is not None and persistent.read_only:
         return recovery
     inflight = [r for r in await store.query_rollouts(status_in=IN_FLIGHT) if isinstance(r, AttemptedRollout)]
     if not inflight:
         return recovery
     workers: dict[str, Worker] = {w.worker_id: w for w in await store.query_workers()}
-    clock = getattr(store, "now", None)
-    now = float(clock()) if callable(clock) else time.time()
+    now = persistent.now() if persistent is not None else time.time()
     for rollout in inflight:
         attempt = rollout.attempt
         worker = workers.get(attempt.worker_id or "")

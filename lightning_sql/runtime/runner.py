@@ -28,6 +28,7 @@ from lightning_sql.runtime.hooks import Hook
 from lightning_sql.runtime.recovery import process_identity
 from lightning_sql.runtime.tracer import OtelTracer, Tracer, emit_reward
 from lightning_sql.store import StoreUnavailableError
+from lightning_sql.store.base import PersistentStore
 from lightning_sql.types import (
     FINISHED_STATUSES,
     AttemptedRollout,
@@ -156,8 +157,7 @@ class _PeriodicSweeper:
         self.store = store
         self.users = 0
         self.stop = threading.Event()
-        debounce = getattr(store, "scan_debounce_seconds", DEFAULT_SCAN_DEBOUNCE_S)
-        self.interval = max(float(debounce), MIN_SWEEP_INTERVAL_S)
+        self.interval = max(float(store.scan_debounce_seconds), MIN_SWEEP_INTERVAL_S)
         self.thread = threading.Thread(target=self._run, name="lightning-sql-sweeper", daemon=True)
 
     def _run(self) -> None:
@@ -179,7 +179,7 @@ _SWEEPERS_LOCK = threading.Lock()
 
 
 def _acquire_sweeper(store: Any) -> None:
-    if not hasattr(store, "sweep") or getattr(store, "read_only", False):
+    if not isinstance(store, PersistentStore) or store.read_only:
         return
     with _SWEEPERS_LOCK:
         sweeper = _SWEEPERS.get(id(store))
@@ -355,8 +355,8 @@ class LitAgentRunner(Runner[T_task]):
         store = self.get_store()
         interval = max(self.poll_interval + random.uniform(-self.interval_jitter, self.interval_jitter), MIN_IDLE_WAIT_S)
         deadline = time.monotonic() + interval
-        wait_for_queue: Callable[[float], Awaitable[bool]] | None = getattr(store, "wait_for_queue", None)
-        waiter = asyncio.ensure_future(wait_for_queue(interval)) if wait_for_queue is not None else None
+        persistent = isinstance(store, PersistentStore)
+        waiter = asyncio.ensure_future(store.wait_for_queue(interval)) if persistent else None
         try:
             while not _stopped(event):
                 remaining = deadline - time.monotonic()
@@ -670,7 +670,7 @@ class LitAgentRunner(Runner[T_task]):
         except Exception as exc:  # noqa: BLE001
             logger.warning("Worker heartbeat of %s failed: %s", self.worker_name, exc)
         lease = self._lease
-        if lease is None or lease.reporting or not hasattr(store, "touch_attempt"):
+        if lease is None or lease.reporting or not isinstance(store, PersistentStore):
             return
         try:
             attempt = await store.touch_attempt(lease.rollout_id, lease.attempt_id)

@@ -33,7 +33,7 @@ from lightning_sql.runtime.runner import LitAgentRunner, Runner
 from lightning_sql.runtime.summary import FitSummary
 from lightning_sql.runtime.tracer import NoopTracer, OtelTracer, Tracer
 from lightning_sql.store import StoreUnavailableError
-from lightning_sql.store.base import LightningStore
+from lightning_sql.store.base import LightningStore, PersistentStore
 from lightning_sql.types import NamedResources, RolloutConfig
 
 __all__ = ["Trainer", "DEFAULT_ROLLOUT_CONFIG", "DEFAULT_STORE_URL", "build_component"]
@@ -167,14 +167,15 @@ def _build_store(
         options.setdefault("default_rollout_config", rollout_config or DEFAULT_ROLLOUT_CONFIG)
         return SqlLightningStore(options.pop("url"), **options)
     store = build_component(spec, name="store", expected=LightningStore, registry={"sql": SqlLightningStore})
-    bound = getattr(store, "run", None)
+    if not isinstance(store, PersistentStore):
+        return store
+    bound = store.run
     if run is not None and bound is not None and bound != run:
         raise ValueError(f"store is bound to run {bound!r}, but the Trainer was given run={run!r}")
-    if hasattr(store, "default_rollout_config"):
-        if rollout_config is not None:
-            store.default_rollout_config = rollout_config
-        elif store.default_rollout_config is None:
-            store.default_rollout_config = DEFAULT_ROLLOUT_CONFIG
+    if rollout_config is not None:
+        store.default_rollout_config = rollout_config
+    elif store.default_rollout_config is None:
+        store.default_rollout_config = DEFAULT_ROLLOUT_CONFIG
     return store
 
 
@@ -400,7 +401,7 @@ class Trainer:
     @property
     def run(self) -> str | None:
         """The name of the run this trainer works on."""
-        return getattr(self.store, "run", None)
+        return self.store.run if isinstance(self.store, PersistentStore) else None
 
     def fit(self, agent: LitAgent[Any], train_dataset: Any = None, val_dataset: Any = None) -> FitSummary:
         """Run the algorithm (if any) and the runners until the algorithm is done; return the run's summary.
@@ -425,7 +426,8 @@ class Trainer:
     def _execute(self, agent: Any, train_dataset: Any, val_dataset: Any, algorithm: Algorithm | None) -> FitSummary:
         agent = self._resolve_agent(agent)
         agent.set_trainer(self)
-        logger.info("Trainer: store %s, run %s", getattr(self.store, "url", self.store), self.run)
+        where = self.store.url if isinstance(self.store, PersistentStore) else self.store
+        logger.info("Trainer: store %s, run %s", where, self.run)
         console = Console() if self.progress or self.summary else None
         try:
             start = asyncio.run(
@@ -459,9 +461,8 @@ class Trainer:
         return summary
 
     async def _finish(self, start: FitStart) -> FitSummary:
-        mark = getattr(self.store, "mark_run_finished", None)
-        if mark is not None:
-            await mark()
+        if isinstance(self.store, PersistentStore):
+            await self.store.mark_run_finished()
         return await summarise_fit(self.store, start)
 
     @staticmethod

@@ -1,7 +1,7 @@
 """Store contract and its SQL implementation."""
 
-from lightning_sql.store.base import LightningStore
+from lightning_sql.store.base import LightningStore, PersistentStore
 from lightning_sql.store.sql.errors import StoreUnavailableError
 from lightning_sql.store.sql.store import SqlLightningStore
 
-__all__ = ["LightningStore", "SqlLightningStore", "StoreUnavailableError"]
+__all__ = ["LightningStore", "PersistentStore", "SqlLightningStore", "StoreUnavailableError"]

@@ -10,7 +10,7 @@ import asyncio
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from opentelemetry.sdk.trace import ReadableSpan
 
@@ -29,6 +29,7 @@ from lightning_sql.types import (
     RolloutConfig,
     RolloutMode,
     RolloutStatus,
+    Run,
     Span,
     TaskInput,
     Unset,
@@ -36,7 +37,39 @@ from lightning_sql.types import (
     WorkerStatus,
 )
 
-__all__ = ["LightningStore"]
+__all__ = ["LightningStore", "PersistentStore"]
+
+
+@runtime_checkable
+class PersistentStore(Protocol):
+    """What the runtime uses of a store beyond ``LightningStore``: a named, persistent run, the
+    store clock, leases and sweeps.  ``SqlLightningStore`` has all of it; with any other
+    ``LightningStore`` (Agent-Lightning's in-memory one, say) the runtime does without (no run
+    fingerprint, no periodic sweeps, no lease heartbeats, the local clock)."""
+
+    read_only: bool
+    scan_debounce_seconds: float
+    default_rollout_config: RolloutConfig | None
+
+    @property
+    def run(self) -> str | None: ...
+
+    @property
+    def url(self) -> str: ...
+
+    def now(self) -> float: ...
+
+    async def sweep(self, all_runs: bool = False) -> int: ...
+
+    async def wait_for_queue(self, timeout: float) -> bool: ...
+
+    async def touch_attempt(self, rollout_id: str, attempt_id: str) -> Attempt: ...
+
+    async def get_run(self, name: str) -> Run | None: ...
+
+    async def update_run_metadata(self, metadata: dict[str, Any] | None) -> Run: ...
+
+    async def mark_run_finished(self) -> Run: ...
 
 
 class LightningStore(ABC):

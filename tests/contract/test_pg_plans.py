@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -35,9 +36,9 @@ CALLERS = 8
 
 
 async def _statements_of(store: SqlLightningStore, calls: Callable[[], Awaitable[Any]]) -> list[tuple[str, Any]]:
-    """Every statement ``calls`` ran, with its parameters."""
-    # Every engine of the process: the store's executor owns its engines and connections.
-    engine = Engine
+    """Every statement ``calls`` ran, with its parameters: the batches' from the store's statement
+    log (``lightning_sql.sql`` at DEBUG: they run on the driver connection), the units' from
+    SQLAlchemy's events (every engine of the process: the store's executor owns them)."""
     seen: list[tuple[str, Any]] = []
 
     def before(
@@ -46,11 +47,22 @@ async def _statements_of(store: SqlLightningStore, calls: Callable[[], Awaitable
         if not executemany:
             seen.append((statement, parameters))
 
-    event.listen(engine, "before_cursor_execute", before)
+    class Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            statement, parameters = record.args  # type: ignore[misc]
+            seen.append((statement, parameters))
+
+    log = logging.getLogger("lightning_sql.sql")
+    handler, level = Capture(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
+    event.listen(Engine, "before_cursor_execute", before)
     try:
         await calls()
     finally:
-        event.remove(engine, "before_cursor_execute", before)
+        event.remove(Engine, "before_cursor_execute", before)
+        log.removeHandler(handler)
+        log.setLevel(level)
     return seen
 
 

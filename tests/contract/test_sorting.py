@@ -250,7 +250,7 @@ async def test_a_span_page_in_sequence_order_reads_the_index_in_order(store):
     """A NOT NULL sort key has no NULL to place: sorted as the plain column, SQLite reads the span
     index (run, rollout, attempt, sequence_id) in order instead of sorting the rows it found
     ("USE TEMP B-TREE FOR ORDER BY" with the NULL-placing expression)."""
-    from lightning_sql.store.sql import spans
+    from lightning_sql.store.sql import dialect, spans
 
     ar = await store.start_rollout(1)
     for seq in (3, 1, 2):
@@ -258,9 +258,11 @@ async def test_a_span_page_in_sequence_order_reads_the_index_in_order(store):
     shape = (True, "latest", (None,) * 4, (None,) * 4, "and", "sequence_id", "asc", False, False)
 
     def plan(ctx, run_id, _now):
-        page, _count = spans._span_query(ctx, shape)
+        page, _count = spans.read_statements("sqlite", shape, True)
         compiled = page.compile(dialect=ctx.conn.dialect)
-        values = compiled.construct_params({"q_run_id": run_id, "q_rollout_id": ar.rollout_id})
+        key_row = (ar.rollout_id, "", *[""] * 8)
+        given = {"run_id": run_id, **dialect.keys_params("sqlite", "q", spans.READ_KEYS, [key_row], single=True)}
+        values = compiled.construct_params(given)
         params = tuple(values[name] for name in compiled.positiontup)
         return [row[-1] for row in ctx.conn.exec_driver_sql("EXPLAIN QUERY PLAN " + str(compiled), params)]
 

@@ -1,9 +1,9 @@
 """The SQLite executor's reads, and models rebuilt from rows.
 
-Reads of a SQLite file run in the calling thread on that thread's reader connection (WAL readers
-never wait for the writer); a read that meets a lock is handed to the writer thread; an in-memory
-database reads on its one connection, in the writer thread.  Rows become models through pydantic's
-``model_construct``: what a caller reads back is what it stored.
+Reads of a SQLite file run on the executor's reader thread, on a ``query_only`` WAL connection of
+its own (readers never wait for the writer, and a long read never holds the caller's event loop);
+an in-memory database reads on its one connection, in the writer thread.  What a caller reads back
+is what it stored.
 """
 
 from __future__ import annotations
@@ -12,12 +12,13 @@ import asyncio
 import gc
 import sqlite3
 import threading
+import time
 import weakref
 from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import func, insert, select
+from sqlalchemy import insert, select
 from sqlalchemy.exc import DBAPIError
 
 from lightning_sql import SqlLightningStore
@@ -36,23 +37,21 @@ async def _with_spans(store: SqlLightningStore, n: int = 3) -> list[str]:
     return ids
 
 
-def _worker(store: SqlLightningStore) -> Any:
-    worker = store._worker
-    assert worker is not None
-    return worker
+def _threads_of_this_store() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("lightning-sql-")]
 
 
-async def _thread_of_read(store: SqlLightningStore) -> str:
-    worker, _run_id = await store._prepare()
-    return await store._submit(worker, lambda ctx: threading.current_thread().name, write=False)
-
-
-async def test_file_reads_run_in_the_calling_thread_memory_reads_in_the_writer_thread(tmp_path: Path) -> None:
+async def test_file_reads_run_on_the_reader_thread_memory_reads_in_the_writer_thread(tmp_path: Path) -> None:
     store = SqlLightningStore(f"sqlite:///{tmp_path / 's.db'}", run="r", clock_sync=False)
     memory = SqlLightningStore("sqlite://", run="r", clock_sync=False)
+
+    def thread_name(_ctx: Any) -> str:
+        return threading.current_thread().name
+
     try:
-        assert await _thread_of_read(store) == threading.current_thread().name
-        assert (await _thread_of_read(memory)).startswith("lightning-sql-sqlite")
+        assert (await store.run_sql(thread_name)).startswith("lightning-sql-sqlite-read")
+        assert (await store.run_sql(thread_name, write=True)).startswith("lightning-sql-sqlite[")
+        assert (await memory.run_sql(thread_name)).startswith("lightning-sql-sqlite[")
         for each in (store, memory):  # the same answers either way
             ids = await _with_spans(each, 2)
             assert [sp.sequence_id for sp in await each.query_spans(ids[0], "latest")] == [1, 2]
@@ -62,78 +61,80 @@ async def test_file_reads_run_in_the_calling_thread_memory_reads_in_the_writer_t
 
 
 class _Neighbour:
-    """Another task of the running loop, counting its turns."""
+    """Another task of the running loop, counting its turns and the longest gap between them."""
 
     def __init__(self) -> None:
         self.ticks = 0
+        self.longest = 0.0
         self._task = asyncio.create_task(self._run())
 
     async def _run(self) -> None:
+        last = time.perf_counter()
         while True:
-            self.ticks += 1
             await asyncio.sleep(0)
+            now = time.perf_counter()
+            self.longest = max(self.longest, now - last)
+            last = now
+            self.ticks += 1
 
     def stop(self) -> None:
         self._task.cancel()
 
 
-async def test_a_read_in_the_calling_thread_still_lets_the_loops_other_tasks_run(tmp_path: Path) -> None:
-    """A loop polling with reads does not starve its neighbours: each read is a suspension point."""
+async def test_a_long_read_does_not_hold_the_callers_loop(tmp_path: Path) -> None:
+    """A read of a whole long trace runs on the reader thread: the caller's other tasks keep their
+    turns meanwhile (each waits for the interpreter's switch intervals, never for the read).  The
+    garbage collector is off while it reads: its full collections stop every thread, reader or not."""
     store = SqlLightningStore(f"sqlite:///{tmp_path / 's.db'}", run="r", clock_sync=False)
+    gc.disable()
     try:
-        await _with_spans(store, 1)
+        ar = await store.start_rollout({"q": 1})
+        spans = [make_span(ar.rollout_id, ar.attempt.attempt_id, k, attributes={"v": "x" * 200}) for k in range(6000)]
+        await store.add_many_spans(spans)
         neighbour = _Neighbour()
-        for _ in range(20):
-            await store.query_rollouts()
-        assert neighbour.ticks >= 19
+        started = time.perf_counter()
+        assert len(await store.query_spans(ar.rollout_id)) == 6000
+        took = time.perf_counter() - started
         neighbour.stop()
+        # The read took many times what one gap between the neighbour's turns did.
+        assert neighbour.ticks > 10 and neighbour.longest < took / 4, (neighbour.ticks, neighbour.longest, took)
     finally:
+        gc.enable()
         await store.close()
 
 
-async def test_a_read_unit_cannot_write(tmp_path: Path) -> None:
+async def test_a_read_cannot_write(tmp_path: Path) -> None:
     store = SqlLightningStore(f"sqlite:///{tmp_path / 's.db'}", run="r", clock_sync=False)
     try:
-        worker, run_id = await store._prepare()
 
         def sneaky(ctx: Any) -> None:
-            ctx.conn.execute(insert(s.workers).values(run_id=run_id, worker_id="sneaky", status="idle"))
+            ctx.conn.execute(insert(s.workers).values(run_id=ctx.run_id, worker_id="sneaky", status="idle"))
 
         with pytest.raises(DBAPIError, match="readonly"):
-            await store._submit(worker, sneaky, write=False)
+            await store.run_sql(sneaky)
         assert len(await store.query_workers()) == 0
+        # The reader connection is usable after the failure (rolled back, not left in a transaction).
+        assert await store.run_sql(lambda ctx: ctx.conn.execute(select(s.runs.c.name)).scalar()) == "r"
     finally:
         await store.close()
 
 
-async def test_a_read_that_meets_a_lock_goes_to_the_writer_thread(tmp_path: Path) -> None:
-    """A reader has no busy timeout: a lock sends the unit to the writer thread (which waits and
-    retries) instead of blocking the caller's loop.  An error of the unit itself is raised at once."""
+async def test_reads_never_wait_for_a_writer(tmp_path: Path) -> None:
+    """WAL readers: while another connection holds the write lock with a write not committed yet,
+    the store's reads answer at once, from the last commit."""
     store = SqlLightningStore(f"sqlite:///{tmp_path / 's.db'}", run="r", clock_sync=False)
     try:
         await _with_spans(store, 2)
-        worker, _run_id = await store._prepare()
-        threads: list[str] = []
-
-        def locked_here(ctx: Any) -> int:
-            threads.append(threading.current_thread().name)
-            if threading.current_thread() is threading.main_thread():
-                raise sqlite3.OperationalError("database is locked")
-            return int(ctx.execute(select(func.count()).select_from(s.rollouts)).scalar_one())
-
-        assert await store._submit(worker, locked_here, write=False) == 2
-        assert threads[0] == "MainThread" and threads[1].startswith("lightning-sql-sqlite")
-
-        def bad(ctx: Any) -> None:
-            threads.append(threading.current_thread().name)
-            raise KeyError("the unit's own error")
-
-        threads.clear()
-        with pytest.raises(KeyError):
-            await store._submit(worker, bad, write=False)
-        assert threads == ["MainThread"]
-        # The reader connection is usable after both failures (rolled back, not left in a transaction).
-        assert len(await store.query_rollouts()) == 2
+        writer = sqlite3.connect(tmp_path / "s.db", isolation_level=None, timeout=10)
+        writer.execute("BEGIN IMMEDIATE")
+        writer.execute("UPDATE rollouts SET status = 'failed'")
+        try:
+            started = time.perf_counter()
+            assert {r.status for r in await store.query_rollouts()} == {"running"}  # spans promoted them
+            assert time.perf_counter() - started < 5  # no busy wait (the busy timeout is 30 s)
+        finally:
+            writer.rollback()
+            writer.close()
     finally:
         await store.close()
 
@@ -142,11 +143,10 @@ async def test_close_closes_every_connection(tmp_path: Path) -> None:
     store = SqlLightningStore(f"sqlite:///{tmp_path / 's.db'}", run="r", clock_sync=False)
     await _with_spans(store, 1)
     await store.query_rollouts()
-    await asyncio.to_thread(asyncio.run, store.query_rollouts())  # a reader in another thread too
-    worker = _worker(store)
+    await asyncio.to_thread(asyncio.run, store.query_rollouts())  # a caller in another thread too
     await store.close()
-    assert worker.closed
-    worker._thread.join(5)
+    for thread in _threads_of_this_store():
+        thread.join(5)
     # Every connection to the file is closed: an exclusive lock is possible at once, and SQLite
     # removed its WAL and shared-memory files with the last connection.
     locker = sqlite3.connect(tmp_path / "s.db", isolation_level=None, timeout=0)
@@ -157,41 +157,24 @@ async def test_close_closes_every_connection(tmp_path: Path) -> None:
     assert not (tmp_path / "s.db-wal").exists() and not (tmp_path / "s.db-shm").exists()
 
 
-async def test_the_readers_of_threads_that_ended_are_closed(tmp_path: Path) -> None:
-    """A caller that reads from a new thread each time does not pile up reader connections."""
-    store = SqlLightningStore(f"sqlite:///{tmp_path / 's.db'}", run="r", clock_sync=False)
-    try:
-        await _with_spans(store, 1)
-        await store.query_rollouts()
-        worker = _worker(store)
-        ended: list[Any] = []
-        for _ in range(5):
-            thread = threading.Thread(target=asyncio.run, args=(store.query_rollouts(),))
-            thread.start()
-            thread.join()
-            ended.append(thread)
-        assert [slot[0] for slot in worker._reader_slots] == [threading.main_thread(), ended[-1]]
-        assert len(await store.query_rollouts()) == 1
-    finally:
-        await store.close()
-
-
 async def test_a_closed_store_leaves_no_executor_behind(backend: Any) -> None:
-    """Closing releases everything the store opened: once the caller drops the store, its executor,
-    engines and connections are garbage."""
+    """Closing releases everything the store opened: its threads end, and once the caller drops the
+    store, its executor, engines and connections are garbage."""
+    before = set(_threads_of_this_store())
     store = backend.open(run="r", clock_sync=False)
     await _with_spans(store, 1)
     await store.query_rollouts()
     await asyncio.to_thread(asyncio.run, store.query_rollouts())
-    worker = _worker(store)
-    gone, thread = weakref.ref(worker), worker._thread
-    del worker
+    threads = [t for t in _threads_of_this_store() if t not in before]
+    assert threads
+    executor = weakref.ref(store._worker)
     await store.close()
     del store
-    thread.join(10)
-    assert not thread.is_alive()
+    for thread in threads:
+        thread.join(10)
+        assert not thread.is_alive(), thread.name
     gc.collect()
-    assert gone() is None
+    assert executor() is None
 
 
 async def test_models_read_back_do_not_share_state(store: SqlLightningStore) -> None:

@@ -27,6 +27,9 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("lightning_sql/store/sql/migrate.py", "f\"PRAGMA legacy_alter_table={'ON' if previous else 'OFF'}\""): (
         "PRAGMA takes no bound parameters; the f-string only chooses between two literals"
     ),
+    ("lightning_sql/store/sql/sqlite_executor.py", 'f"PRAGMA wal_autocheckpoint={SQLITE_AUTOCHECKPOINT_BACKSTOP_PAGES}"'): (
+        "PRAGMA takes no bound parameters; the value is a named integer constant of the module"
+    ),
     ("lightning_sql/store/sql/planner_stats.py", 'f"ANALYZE {tables}"'): (
         "ANALYZE takes no bound parameters; the table names are planner_stats.RUN_TABLES constants and "
         "the schema the store's own, each quoted by the dialect's identifier preparer"

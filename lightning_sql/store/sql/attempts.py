@@ -1,67 +1,32 @@
-"""Units of work for attempts: start, resolve (``"latest"`` or an id), update, heartbeat.
+"""Attempts: ``start_attempt`` (a unit) and ``update_attempt``/``touch_attempt`` (an operation).
 
-An update decides from the locked rollout and attempt rows what follows from the new status (the
-rollout's status, its queue position, the worker's row) and writes it with ``dialect.run_writes``.
+``UpdateAttempt`` is one call of ``update_attempt`` or ``touch_attempt`` (which writes only
+``last_heartbeat_time = now``).  A batch decides everything in ONE select over its keys joined to
+the locked rollout and attempt rows (``decided``): the attempt's new columns, what follows for the
+rollout (its status from the attempt's, ``end_time``, queue placement, docs/store-contract.md §2.7)
+and for the worker (§2.14).  PostgreSQL writes the decisions in the same statement (data-modifying
+CTEs, with the NOTIFY); SQLite runs the select, then writes its rows with ``executemany``.  Both
+return the decided rows, which carry the resolution (§2.7 errors) and the attempt after the write.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
-from sqlalchemy import bindparam, update
+from sqlalchemy import Float, Integer, Text, and_, case, literal, null, or_, select, update
 
 from lightning_sql.store.sql import dialect as d
-from lightning_sql.store.sql.executor import UnitContext
-from lightning_sql.store.sql.rollouts import (
-    ATTEMPT_BY_ID,
-    ATTEMPT_BY_SEQ,
-    A,
-    R,
-    enter_or_leave_queue,
-    find_attempt,
-    insert_attempt,
-    lock_rollout,
-)
-from lightning_sql.store.sql.rows import (
-    ROLLOUT_COLUMNS,
-    attempt_from_row,
-    attempted,
-    config_from,
-)
-from lightning_sql.store.sql.statements import cached
-from lightning_sql.store.sql.workers import worker_following, write_worker
-from lightning_sql.types import (
-    FINISHED_STATUSES,
-    Attempt,
-    AttemptedRollout,
-    is_storable_text,
-    rollout_status_from_attempt,
-)
+from lightning_sql.store.sql import filters as f
+from lightning_sql.store.sql import schema as s
+from lightning_sql.store.sql.executor import Batch, Operation, UnitContext
+from lightning_sql.store.sql.rollouts import find_attempt, insert_attempt, lock_rollout
+from lightning_sql.store.sql.rows import ATTEMPT_FIELDS, attempt_from_row, attempted
+from lightning_sql.types import FINISHED_STATUSES, QUEUED_STATUSES, AttemptedRollout, is_storable_text
 
-
-def _update_where(table: Any, keys: tuple[str, ...], cols: tuple[str, ...], prefix: str) -> Any:
-    """UPDATE table SET <cols> WHERE <keys>, with ``<prefix><name>`` placeholders."""
-    return (
-        update(table)
-        .where(*(table.c[k] == bindparam(f"{prefix}{k}") for k in keys))
-        .values({c: bindparam(f"{prefix}{c}") for c in cols})
-    )
-
-
-def _row_write(
-    table: Any, keys: dict[str, Any], values: dict[str, Any], *, prefix: str = "u_", returning: bool = False
-) -> d.Write:
-    """Writing ``values`` into the row named by ``keys``, as a prebuilt statement; with ``returning``,
-    it returns the updated row (every column).  Writes run together (``dialect.run_writes``) need
-    distinct ``prefix``es."""
-    key_names, cols = tuple(keys), tuple(values)
-    return d.Write(
-        ("update_row", table.name, key_names, cols, prefix, returning),
-        lambda: _update_where(table, key_names, cols, prefix).returning(*table.c)
-        if returning
-        else _update_where(table, key_names, cols, prefix),
-        {**{f"{prefix}{k}": v for k, v in keys.items()}, **{f"{prefix}{c}": v for c, v in values.items()}},
-    )
+R = s.rollouts
+A = s.attempts
 
 
 def start_attempt(
@@ -87,94 +52,195 @@ def start_attempt(
     return ar
 
 
-def resolve_attempt(ctx: UnitContext, run_id: int, rollout_id: str, attempt_id: str, *, lock: bool) -> tuple[Any, Any]:
-    """(rollout row, attempt row) per the resolution order of docs/store-contract.md §2.7, or raise its errors."""
-    if lock and (attempt_id == "latest" or is_storable_text(attempt_id)):  # both rows in one statement
-        row, attempt_row = d.lock_rollout_and_attempt(ctx, run_id, rollout_id, attempt_id, ROLLOUT_COLUMNS)
-        return _resolved(row, attempt_row, rollout_id, attempt_id)
-    row = lock_rollout(ctx, run_id, rollout_id, lock=lock)
-    latest = attempt_id == "latest"
-    if row is None or row.attempt_count == 0 or not (latest or is_storable_text(attempt_id)):
-        # A concrete id that cannot exist in the database (NUL, lone surrogate, too long) matches
-        # nothing, reported after the rollout checks (§2.7 resolution order).
-        return _resolved(row, None, rollout_id, attempt_id)
-    base = ATTEMPT_BY_SEQ if latest else ATTEMPT_BY_ID
-    stmt = cached(("attempt_row", ctx.dialect, latest, lock), lambda: d.for_update(ctx, base) if lock else base)
-    params = {"r_run_id": run_id, "r_rollout_id": rollout_id}
-    if latest:
-        params["r_sequence_id"] = row.attempt_count
-    else:
-        params["r_attempt_id"] = attempt_id
-    return _resolved(row, ctx.execute(stmt, params).first(), rollout_id, attempt_id)
+_CHANGES = ("status", "worker_id", "last_heartbeat_time", "metadata")
 
 
-def _resolved(row: Any, attempt_row: Any, rollout_id: str, attempt_id: str) -> tuple[Any, Any]:
-    """The rollout and attempt rows found, or the error of §2.7 they call for."""
-    if row is None:
-        raise ValueError(f"Rollout {rollout_id} not found")
-    if row.attempt_count == 0 or (attempt_row is None and attempt_id == "latest"):
-        raise ValueError(f"No attempts found for rollout {rollout_id}")
-    if attempt_row is None:
-        raise ValueError(f"Attempt {attempt_id} not found for rollout {rollout_id}")
-    return row, attempt_row
+@dataclass(eq=False, slots=True)
+class UpdateAttempt(Operation):
+    """``update_attempt(rollout_id, attempt_id, **changes)`` (``attempt_id`` may be ``"latest"``);
+    ``changes`` holds the validated columns given (metadata as encoded JSON)."""
+
+    name: ClassVar[str] = "update_attempt"
+    run_id: int
+    rollout_id: str
+    attempt_id: str
+    changes: dict[str, Any]
+    now: float
+
+    def conflicts(self) -> tuple[Hashable, ...]:
+        # The batch decides from the rollout's row as it was before the batch.
+        return (("rollout", self.rollout_id),)
+
+    def key_row(self) -> tuple[Any, ...]:
+        """This call's row of ``UPDATE_KEYS``."""
+        latest = self.attempt_id == "latest"
+        # A concrete id that cannot be stored matches nothing (NULL), reported after the rollout checks.
+        attempt_id = None if latest or not is_storable_text(self.attempt_id) else self.attempt_id
+        row: list[Any] = [self.rollout_id, attempt_id, int(latest)]
+        for name in _CHANGES:
+            given = name in self.changes
+            row += [int(given), self.changes[name] if given else None]
+        row.append(self.now)
+        return tuple(row)
+
+    @classmethod
+    def outcomes(cls, batch: Batch, rows: Any) -> list[Any]:
+        by_call = {row["n"]: row for row in rows}
+        out: list[Any] = []
+        for n, call in enumerate(batch.calls, 1):
+            assert isinstance(call, UpdateAttempt)
+            row = by_call.get(n)
+            rid, aid = call.rollout_id, call.attempt_id
+            if row is None or row["found_rollout"] is None:
+                out.append(ValueError(f"Rollout {rid} not found"))
+            elif row["attempt_count"] == 0 or (row["attempt_id"] is None and aid == "latest"):
+                out.append(ValueError(f"No attempts found for rollout {rid}"))
+            elif row["attempt_id"] is None:
+                out.append(ValueError(f"Attempt {aid} not found for rollout {rid}"))
+            else:
+                out.append(attempt_from_row(row))
+        return out
 
 
-def update_attempt(
-    ctx: UnitContext, run_id: int, now: float, rollout_id: str, attempt_id: str, changes: dict[str, Any]
-) -> Attempt:
-    row, attempt_row = resolve_attempt(ctx, run_id, rollout_id, attempt_id, lock=True)
-    writes, worker = _attempt_writes(ctx, run_id, now, row, attempt_row, changes)
-    if not writes:
-        return attempt_from_row(attempt_row)
-    if worker is not None:
-        writes.append(write_worker(ctx, run_id, *worker))
-    new_row = d.run_writes(ctx, writes)
-    assert new_row is not None  # locked above
-    return attempt_from_row(new_row)
+UPDATE_KEYS: list[d.KeyColumn] = [
+    ("rollout_id", Text()),
+    ("attempt_id", Text()),
+    ("latest", Integer()),
+    ("set_status", Integer()),
+    ("status", Text()),
+    ("set_worker", Integer()),
+    ("worker_id", Text()),
+    ("set_hb", Integer()),
+    ("hb", Float(precision=53)),
+    ("set_meta", Integer()),
+    ("metadata", Text()),
+    ("now", Float(precision=53)),
+]
+# The rollout's columns a decision reads.
+DECISION_ROLLOUT_COLUMNS = ("rollout_id", "status", "attempt_count", "queue_seq", "end_time", "max_attempts", "retry_condition")
 
 
-def _attempt_writes(
-    ctx: UnitContext, run_id: int, now: float, row: Any, attempt_row: Any, changes: dict[str, Any]
-) -> tuple[list[d.Write], tuple[str, dict[str, Any]] | None]:
-    """The row writes of one ``update_attempt`` of the locked ``row`` and ``attempt_row`` (none
-    when nothing changes), the attempt's first (it returns the updated row), and what it writes
-    into a worker's row, ``(worker_id, values)`` or None (``workers.write_worker``)."""
-    values: dict[str, Any] = {}
-    for key in ("status", "worker_id", "last_heartbeat_time", "metadata"):
-        if key in changes:
-            values[key] = changes[key]
-    if changes.get("status") in ("failed", "succeeded"):
-        values["end_time"] = now
-    if not values:
-        return [], None
-    rollout_id, aid = row.rollout_id, attempt_row.attempt_id
-    keys = {"run_id": run_id, "rollout_id": rollout_id, "attempt_id": aid}
-    # The attempt's row, the rollout's and the worker's are written together (dialect.run_writes:
-    # one statement on PostgreSQL): what follows from the attempt's new status and worker is decided
-    # here from the locked row and the changes, not read back.
-    writes = [_row_write(A, keys, values, prefix="ua_", returning=True)]
-    status = values.get("status", attempt_row.status)
-    if "status" in changes and attempt_row.sequence_id == row.attempt_count and row.status != "cancelled":
-        new_status = rollout_status_from_attempt(status, attempt_row.sequence_id, config_from(row))
-        if new_status != row.status:
-            rvalues: dict[str, Any] = {"status": new_status}
-            if new_status in FINISHED_STATUSES:
-                rvalues["end_time"] = now
-                ctx.announce(run_id, "finished")
-            rvalues.update(enter_or_leave_queue(ctx, run_id, row.status, new_status, row.queue_seq))
-            writes.append(_row_write(R, {"run_id": run_id, "rollout_id": rollout_id}, rvalues, prefix="ur_"))
-    wid = values["worker_id"] if "worker_id" in values else attempt_row.worker_id
-    if ("worker_id" in changes and changes["worker_id"]) or ("status" in changes and wid):
-        return writes, (wid, worker_following(now, status, rollout_id, aid, claim=False))
-    return writes, None
+def attempt_match(keys: Any, rollout: Any, attempt: Any) -> Any:
+    """The attempt a key names: the rollout's latest, or the one with the key's id."""
+    return or_(
+        and_(keys.c.latest == 1, attempt.c.sequence_id == rollout.c.attempt_count),
+        and_(keys.c.latest == 0, attempt.c.attempt_id == keys.c.attempt_id),
+    )
 
 
-def touch_attempt(ctx: UnitContext, run_id: int, now: float, rollout_id: str, attempt_id: str) -> Attempt:
-    # Lock order (§2.17): the rollout row first, so a concurrent sweep either skips this rollout or has
-    # committed its verdict before the heartbeat lands (never judges a heartbeat it did not see).
-    _row, attempt_row = resolve_attempt(ctx, run_id, rollout_id, attempt_id, lock=True)
-    keys = {"run_id": run_id, "rollout_id": rollout_id, "attempt_id": attempt_row.attempt_id}
-    _row_write(A, keys, {"last_heartbeat_time": now}).execute(ctx)
-    attempt = attempt_from_row(attempt_row)
-    attempt.last_heartbeat_time = now
-    return attempt
+def decided(dialect: str, keys: Any, rollout: Any, attempt: Any, run_id: Any, *, tables: bool) -> Any:
+    """For each key of the batch (``keys_source(dialect, "u", UPDATE_KEYS)``), what its update does,
+    decided from ``rollout`` and ``attempt`` (the tables, or PostgreSQL's CTEs of the locked rows;
+    ``tables``: they are the tables, and need the run's condition).  Its columns:
+
+    * ``n``; ``found_rollout`` (NULL: no such rollout), ``attempt_count``; the attempt's fields as
+      they are after the update (NULL ``attempt_id``: no such attempt), ``changed`` (1: write them);
+    * ``rollout_status``, ``rollout_end_time``, ``rollout_changes`` (1: write those two),
+      ``new_position`` (1: the rollout enters the queue), ``leaves_queue``, ``finished``;
+    * ``worker_sync`` (1: write the worker row) and ``worker_status``.
+    """
+    k = keys
+    given = {name: k.c[f"set_{short}"] == 1 for name, short in zip(_CHANGES, ("status", "worker", "hb", "meta"), strict=True)}
+    status = case((given["status"], k.c.status), else_=attempt.c.status)
+    worker_id = case((given["worker_id"], k.c.worker_id), else_=attempt.c.worker_id)
+    heartbeat = case((given["last_heartbeat_time"], k.c.hb), else_=attempt.c.last_heartbeat_time)
+    metadata = case((given["metadata"], d.as_json(dialect, k.c.metadata)), else_=attempt.c.metadata)
+    end_time = case((and_(given["status"], f.one_of(k.c.status, ("failed", "succeeded"))), k.c.now), else_=attempt.c.end_time)
+    changed = or_(*given.values())
+
+    # §2.7 propagation: a status set on the latest attempt of a rollout that is not cancelled.
+    propagates = and_(
+        given["status"], attempt.c.sequence_id == rollout.c.attempt_count, rollout.c.status != "cancelled"
+    )
+    retried = and_(
+        d.json_array_has(dialect, rollout.c.retry_condition, k.c.status), attempt.c.sequence_id < rollout.c.max_attempts
+    )
+    from_attempt = case(
+        (f.one_of(k.c.status, ("preparing", "running", "succeeded")), k.c.status),
+        (retried, literal("requeuing", Text)),
+        else_=literal("failed", Text),
+    )
+    rollout_status = case((propagates, from_attempt), else_=rollout.c.status)
+    rollout_changes = and_(propagates, from_attempt != rollout.c.status)
+    queued_before = f.one_of(rollout.c.status, QUEUED_STATUSES)
+    queued_after = f.one_of(from_attempt, QUEUED_STATUSES)
+    finished = and_(rollout_changes, f.one_of(from_attempt, FINISHED_STATUSES))
+
+    sync = or_(
+        and_(given["worker_id"], k.c.worker_id != ""),
+        and_(given["status"], worker_id.isnot(None), worker_id != ""),
+    )
+    worker_status = case(
+        (f.one_of(status, ("succeeded", "failed")), "idle"), (f.one_of(status, ("timeout", "unresponsive")), "unknown"), else_="busy"
+    )
+    rollout_on = [rollout.c.rollout_id == k.c.rollout_id]
+    attempt_on = [attempt.c.rollout_id == k.c.rollout_id, attempt_match(k, rollout, attempt)]
+    if tables:
+        rollout_on.insert(0, rollout.c.run_id == run_id)
+        attempt_on.insert(0, attempt.c.run_id == run_id)
+    flag = _flag
+    fields = {
+        "rollout_id": k.c.rollout_id,
+        "attempt_id": attempt.c.attempt_id,
+        "sequence_id": attempt.c.sequence_id,
+        "start_time": attempt.c.start_time,
+        "end_time": end_time,
+        "status": status,
+        "worker_id": worker_id,
+        "last_heartbeat_time": heartbeat,
+        "metadata": metadata,
+    }
+    assert set(fields) == set(ATTEMPT_FIELDS)
+    return (
+        select(
+            k.c.n,
+            k.c.now,
+            rollout.c.rollout_id.label("found_rollout"),
+            rollout.c.attempt_count,
+            *(value.label(name) for name, value in fields.items()),
+            flag(changed).label("changed"),
+            rollout_status.label("rollout_status"),
+            case((finished, k.c.now), else_=rollout.c.end_time).label("rollout_end_time"),
+            flag(rollout_changes).label("rollout_changes"),
+            flag(and_(rollout_changes, queued_after, or_(~queued_before, rollout.c.queue_seq.is_(None)))).label(
+                "new_position"
+            ),
+            flag(and_(rollout_changes, queued_before, ~queued_after)).label("leaves_queue"),
+            flag(finished).label("finished"),
+            flag(and_(rollout_changes, queued_after, ~queued_before)).label("enters_queue"),
+            flag(sync).label("worker_sync"),
+            worker_status.label("worker_status"),
+        )
+        .select_from(
+            k.outerjoin(rollout, and_(*rollout_on)).outerjoin(attempt, and_(*attempt_on))
+        )
+        .order_by(k.c.n)
+    )
+
+
+def _flag(condition: Any) -> Any:
+    """A condition as 1/0 (NULL counts as 0): the same in both dialects' rows."""
+    return case((condition, 1), else_=0)
+
+
+def worker_values(row: Any) -> dict[str, Any]:
+    """The worker columns a decided row writes (``workers.worker_following``)."""
+    now = row["now"]
+    if row["worker_status"] == "busy":
+        return {
+            "status": "busy",
+            "last_busy_time": now,
+            "last_idle_time": None,
+            "current_rollout_id": row["rollout_id"],
+            "current_attempt_id": row["attempt_id"],
+        }
+    return {
+        "status": row["worker_status"],
+        "last_busy_time": None,
+        "last_idle_time": now,
+        "current_rollout_id": None,
+        "current_attempt_id": None,
+    }
+
+
+_NULL = null()

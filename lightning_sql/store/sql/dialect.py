@@ -19,7 +19,7 @@ table of a few thousand rows looks cheaper than the look-ups; with the LIMIT it 
 
 from __future__ import annotations
 
-from collections import namedtuple
+import json
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,13 +27,14 @@ from typing import Any
 from sqlalchemy import (
     BigInteger,
     ColumnElement,
-    Float,
     Integer,
     Select,
     Table,
     Text,
     and_,
     bindparam,
+    cast,
+    exists,
     func,
     literal,
     select,
@@ -41,15 +42,12 @@ from sqlalchemy import (
     tuple_,
     update,
 )
-from sqlalchemy import (
-    insert as core_insert,
-)
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 
 from lightning_sql.store.sql import schema as s
-from lightning_sql.store.sql.executor import EncodedJson, UnitContext
-from lightning_sql.store.sql.rows import SPAN_JSON_FIELDS
+from lightning_sql.store.sql.executor import UnitContext
+from lightning_sql.store.sql.rows import SPAN_COLUMNS
 from lightning_sql.store.sql.statements import cached
 
 
@@ -59,6 +57,125 @@ def insert(ctx: UnitContext | str, table: Table) -> Any:
     if dialect == "postgresql":
         return postgresql.insert(table)
     return sqlite.insert(table)
+
+
+# --- a batch's rows as a table ----------------------------------------------------------------
+
+KeyColumn = tuple[str, Any]  # (name, SQLAlchemy type: Text, Integer, Float, Boolean)
+
+
+def keys_source(dialect: str, name: str, columns: Sequence[KeyColumn], *, single: bool = False) -> Any:
+    """The rows of a batch as a table with ``run_id`` (the ``run_id`` parameter), ``columns`` and
+    ``n``, the row's position from 1; ``keys_params`` binds them.  Statements join their targets
+    on ``run_id`` and the ids of these rows.
+
+    PostgreSQL: ``unnest`` of one array parameter per column ``WITH ORDINALITY``, as a MATERIALIZED
+    CTE ending in ``LIMIT <name>__count`` (the number of rows, so it drops none): joined through it,
+    the planner sees no condition on the target's run of its own, so it looks each key up rather
+    than scanning a run it believes small, and a generic plan counts on one key, not a hundred
+    ("Keyed UPDATEs" above).  SQLite: ``json_each`` of ONE parameter holding the rows as JSON arrays
+    (one SQL text for every batch size, which sqlite3's statement cache keeps).
+
+    ``single``: a batch of one row, as one scalar parameter per column, which both planners fold
+    into the statement (a page then reads the spans' index in its order, with no sort)."""
+    run_id = bindparam("run_id", type_=Integer)
+    if single:
+        return ScalarKeys(run_id, {col: bindparam(f"{name}_{col}", type_=kind) for col, kind in columns})
+    if dialect == "postgresql":
+        arrays = [bindparam(f"{name}_{col}", type_=ARRAY(kind)) for col, kind in columns]
+        rows = (
+            func.unnest(*arrays)
+            .table_valued(*(col for col, _kind in columns), with_ordinality="n")
+            .render_derived(name=f"{name}_rows")
+        )
+        return (
+            select(run_id.label("run_id"), *rows.c)
+            .limit(bindparam(f"{name}__count", type_=Integer))
+            .cte(name)
+            .prefix_with("MATERIALIZED")
+        )
+    each = func.json_each(bindparam(name, type_=Text)).table_valued("key", "value").alias(f"{name}_rows")
+    return select(
+        run_id.label("run_id"),
+        *(func.json_extract(each.c.value, f"$[{i}]", type_=kind).label(col) for i, (col, kind) in enumerate(columns)),
+        (each.c.key + 1).label("n"),
+    ).subquery(name)
+
+
+class ScalarKeys:
+    """The one row of a batch of one, as its parameters: ``.c.<column>`` like a table's columns,
+    with no FROM of its own (statements over it select from their tables alone)."""
+
+    def __init__(self, run_id: Any, columns: dict[str, Any]) -> None:
+        self.c = _Columns({"run_id": run_id, "n": literal(1, Integer), **columns})
+
+
+class _Columns(dict[str, Any]):
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def keys_params(
+    dialect: str, name: str, columns: Sequence[KeyColumn], rows: Sequence[Sequence[Any]], *, single: bool = False
+) -> dict[str, Any]:
+    """The parameters of ``keys_source(dialect, name, columns, single=...)`` for ``rows`` (tuples
+    in column order); ``run_id`` is the statement's own."""
+    if single:
+        ((row,),) = (rows,)
+        return {f"{name}_{col}": row[i] for i, (col, _kind) in enumerate(columns)}
+    if dialect == "postgresql":
+        params: dict[str, Any] = {f"{name}_{col}": [row[i] for row in rows] for i, (col, _kind) in enumerate(columns)}
+        params[f"{name}__count"] = len(rows)
+        return params
+    return {name: json.dumps(rows, separators=(",", ":"), ensure_ascii=False)}
+
+
+def keyed_update(
+    dialect: str, table: Table, keys: Any, on: Sequence[str], values: Callable[[Callable[[str], Any]], dict[str, Any]]
+) -> Any:
+    """An UPDATE of the rows of ``table`` named by the batch's ``keys`` (equal ``run_id`` and the
+    columns ``on``), with ``values(key)``, where ``key(name)`` is the key row's column ``name``.
+    PostgreSQL: ``UPDATE ... FROM`` the keys.  SQLite: the rows ``IN`` the keys and each value a
+    correlated look-up of its key row, a plan that reads the target by its key whatever the
+    planner guesses of a ``json_each`` (joined, it may scan the run instead)."""
+    names = ("run_id", *on)
+    if dialect == "postgresql":
+        match = [table.c[name] == keys.c[name] for name in names]
+        return update(table).where(*match).values(values(lambda name: keys.c[name]))
+    row = [keys.c[name] == table.c[name] for name in on]
+
+    def key(name: str) -> Any:
+        return select(keys.c[name]).where(*row).limit(1).scalar_subquery()
+
+    first, *rest = on
+    where = [table.c.run_id == bindparam("run_id", type_=Integer), table.c[first].in_(select(keys.c[first]))]
+    if rest:
+        where.append(exists(select(literal(1)).select_from(keys).where(*row)))
+    return update(table).where(*where).values(values(key))
+
+
+def json_array_has(dialect: str, array: Any, value: Any) -> ColumnElement[bool]:
+    """Whether the JSON array of plain strings (statuses) ``array`` holds the string ``value``."""
+    if dialect == "postgresql":
+        return array.op("?")(value)  # type: ignore[no-any-return]
+    return func.instr(array, func.json_quote(value)) > 0
+
+
+def as_json(dialect: str, text_value: Any) -> Any:
+    """Encoded JSON text as a value of a JSON column."""
+    if dialect == "postgresql":
+        return cast(text_value, JSONB)
+    return text_value
+
+
+def greatest(dialect: str, a: Any, b: Any) -> Any:
+    """The larger of two values (never NULL when ``a`` is not)."""
+    if dialect == "postgresql":
+        return func.greatest(a, b)
+    return func.max(a, func.coalesce(b, a))
 
 
 def next_create_seq(dialect: str, table: Table, run_id: Any) -> Any:
@@ -72,18 +189,39 @@ def next_create_seq(dialect: str, table: Table, run_id: Any) -> Any:
     )
 
 
-def for_update(ctx: UnitContext, stmt: Select[Any], *, skip_locked: bool = False) -> Select[Any]:
-    """Lock the selected rows on PostgreSQL; SQLite's ``BEGIN IMMEDIATE`` already serialises writers."""
+def for_update(ctx: UnitContext, stmt: Select[Any], *, skip_locked: bool = False, of: Any = None) -> Select[Any]:
+    """Lock the selected rows (of the table ``of``, when given) on PostgreSQL; SQLite's ``BEGIN
+    IMMEDIATE`` already serialises writers."""
     if ctx.dialect == "postgresql":
-        return stmt.with_for_update(skip_locked=skip_locked)
+        return stmt.with_for_update(skip_locked=skip_locked, of=of)
     return stmt
 
 
-def contains(ctx: UnitContext, column: Any, needle: Any) -> ColumnElement[bool]:
+def contains(ctx: UnitContext | str, column: Any, needle: Any) -> ColumnElement[bool]:
     """Case-sensitive substring test with no LIKE metacharacters (docs/store-contract.md §2.17)."""
-    if ctx.dialect == "postgresql":
+    if (ctx if isinstance(ctx, str) else ctx.dialect) == "postgresql":
         return func.strpos(column, needle) > 0
     return func.instr(column, needle) > 0
+
+
+def span_page(dialect: str, joined: Any, where: list[Any], order: list[Any], *, has_limit: bool, has_offset: bool) -> Any:
+    """One page of spans (``n`` = 1: a page belongs to one call) of the batch keys joined to the
+    spans.  PostgreSQL computes the output columns (JSONB as text, out-of-line values fetched) of
+    every row an OFFSET skips, so with an offset the page's ids come first, from the spans' index,
+    then only its rows.  SQLite skips a row before reading its columns."""
+    S = s.spans
+    columns = [literal(1, Integer).label("n"), *SPAN_COLUMNS]
+    if has_offset and dialect == "postgresql":
+        ids = select(S.c.id).select_from(joined).where(*where).order_by(*order).offset(bindparam("q_offset"))
+        if has_limit:
+            ids = ids.limit(bindparam("q_limit"))
+        return select(*columns).where(S.c.id.in_(ids.correlate(None))).order_by(*order)
+    page = select(*columns).select_from(joined).where(*where).order_by(*order)
+    if has_limit:
+        page = page.limit(bindparam("q_limit"))
+    if has_offset:
+        page = page.offset(bindparam("q_offset"))
+    return page
 
 
 def allocate_positions(ctx: UnitContext, run_id: int, count: int) -> list[int]:
@@ -111,213 +249,11 @@ def server_epoch(ctx: UnitContext) -> Any:
     return select(func.extract("epoch", func.clock_timestamp()))
 
 
-def claim_in_one_statement(
-    ctx: UnitContext, run_id: int, now: float, attempt_ids: Sequence[str], worker_id: str | None, returning: Sequence[Any]
-) -> list[Any] | None:
-    """PostgreSQL: pick, mark and attempt up to ``len(attempt_ids)`` queued rollouts in ONE round trip.
-
-    One statement of data-modifying CTEs: the lowest ``queue_seq`` rows (``FOR UPDATE SKIP
-    LOCKED``) become ``preparing`` and leave the queue, and each gets its attempt, the i-th picked
-    rollout the i-th attempt id; with a (non-empty) ``worker_id`` the worker row is upserted busy on
-    the last claimed attempt, as ``workers.sync_worker(..., claim=True)`` does.  Rows come back in
-    queue order with the ``returning`` columns of the rollout plus ``attempt_count`` (= the attempt's
-    ``sequence_id``) and ``attempt_id``.  Being one statement, it is atomic without a transaction.
-    Returns None on SQLite, where writers are serialised and a statement costs no round trip: the
-    caller runs the plain steps.
-    """
-    if ctx.dialect != "postgresql":
-        return None
-    columns = tuple(c.name for c in returning)
-    stmt = cached(
-        ("claim_one_statement", columns, bool(worker_id)),
-        lambda: _claim_statement(returning, with_worker=bool(worker_id)),
-    )
-    params = {
-        "claim_run_id": run_id,
-        "claim_limit": len(attempt_ids),
-        "claim_now": now,
-        "claim_worker_id": worker_id,
-        "claim_attempt_ids": list(attempt_ids),
-    }
-    return list(ctx.execute(stmt, params).all())
-
-
-_CLAIM_WORKER_COLUMNS = ("status", "last_busy_time", "current_rollout_id", "current_attempt_id", "last_dequeue_time")
-
-
-def _claim_statement(returning: Sequence[Any], *, with_worker: bool) -> Any:
-    R, A = s.rollouts, s.attempts
-    run_id = bindparam("claim_run_id", type_=Integer)
-    picked = (
-        select(R.c.run_id, R.c.rollout_id, R.c.queue_seq)
-        .where(R.c.run_id == run_id, R.c.queue_seq.isnot(None))
-        .order_by(R.c.queue_seq)
-        .limit(bindparam("claim_limit", type_=Integer))
-        .with_for_update(skip_locked=True)
-        .cte("picked")
-        .prefix_with("MATERIALIZED")  # the claimed rows' keys ("Keyed UPDATEs")
-    )
-    claimed = (
-        update(R)
-        .where(R.c.run_id == picked.c.run_id, R.c.rollout_id == picked.c.rollout_id)
-        .values(status="preparing", queue_seq=None, attempt_count=R.c.attempt_count + 1)
-        .returning(*returning, R.c.attempt_count, picked.c.queue_seq.label("picked_seq"))
-        .cte("claimed")
-    )
-    ranked = select(claimed, func.row_number().over(order_by=claimed.c.picked_seq).label("pos")).cte("ranked")
-    ids = (
-        func.unnest(bindparam("claim_attempt_ids", type_=postgresql.ARRAY(Text)))
-        .table_valued("attempt_id", with_ordinality="pos")
-        .render_derived(name="ids")
-    )
-    worker_id = bindparam("claim_worker_id", type_=Text)
-    now = bindparam("claim_now", type_=Float(precision=53))
-    attempt_rows = select(
-        run_id,
-        ranked.c.rollout_id,
-        ids.c.attempt_id,
-        ranked.c.attempt_count,
-        literal("preparing", Text),
-        worker_id,
-        now,
-    ).select_from(ranked.join(ids, ids.c.pos == ranked.c.pos))
-    inserted = (
-        core_insert(A)
-        .from_select(
-            ["run_id", "rollout_id", "attempt_id", "sequence_id", "status", "worker_id", "start_time"], attempt_rows
-        )
-        .returning(A.c.rollout_id, A.c.attempt_id)
-        .cte("inserted")
-    )
-    stmt = (
-        select(ranked, inserted.c.attempt_id)
-        .join_from(ranked, inserted, inserted.c.rollout_id == ranked.c.rollout_id)
-        .order_by(ranked.c.pos)
-    )
-    if not with_worker:
-        return stmt
-    W = s.workers
-    last_claimed = (
-        select(
-            run_id,
-            worker_id,
-            s.position_seq.next_value(),
-            literal("busy", Text),
-            now,
-            ranked.c.rollout_id,
-            inserted.c.attempt_id,
-            now,
-        )
-        .join_from(ranked, inserted, inserted.c.rollout_id == ranked.c.rollout_id)
-        .order_by(ranked.c.pos.desc())
-        .limit(1)
-    )
-    upsert = postgresql.insert(W).from_select(["run_id", "worker_id", "create_seq", *_CLAIM_WORKER_COLUMNS], last_claimed)
-    upsert = upsert.on_conflict_do_update(
-        index_elements=[W.c.run_id, W.c.worker_id], set_={col: upsert.excluded[col] for col in _CLAIM_WORKER_COLUMNS}
-    )
-    # A data-modifying CTE runs to completion whether or not the outer query reads it.
-    return stmt.add_cte(upsert.returning(W.c.worker_id).cte("worker_sync"))
-
-
-def insert_new_spans(ctx: UnitContext, rows: Sequence[dict[str, Any]]) -> set[tuple[str, str, str]]:
-    """Insert span rows (distinct keys) except those already stored; the (rollout, attempt, span) keys
-    inserted.  One ``INSERT ... ON CONFLICT DO NOTHING RETURNING`` on both dialects (SQLAlchemy sends
-    a list of rows as multi-row statements): concurrent writers decide by the unique key."""
-    S = s.spans
-    stmt = cached(
-        ("span_insert_returning", ctx.dialect),
-        lambda: insert(ctx, S).on_conflict_do_nothing().returning(S.c.rollout_id, S.c.attempt_id, S.c.span_id),
-    )
-    # The JSON columns bind through the engine's serializer, which passes EncodedJson through.
-    return {(r[0], r[1], r[2]) for r in ctx.execute(stmt, _json_marked(rows))}
-
-
-def _json_marked(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Span rows (``rows.span_values``: JSON texts as plain ``str``) with their JSON texts marked
-    as encoded (``EncodedJson``), for a statement whose JSON columns take the engine's serializer
-    (which would encode a plain ``str`` again, as a JSON string)."""
-    marked = []
-    for row in rows:
-        row = row.copy()
-        for name in SPAN_JSON_FIELDS:
-            text = row[name]
-            if text is not None:
-                row[name] = EncodedJson(text)
-        marked.append(row)
-    return marked
-
-
 def _keys(derived: str, count: Any, **arrays: Any) -> Select[Any]:
     """The keys of a keyed statement: the rows of parallel array parameters (``unnest``), one
     column per keyword, ending in ``LIMIT count``, ``count`` being how many there are ("Keyed
     UPDATEs" above: a generic plan then counts on one key, not ten)."""
     return select(func.unnest(*arrays.values()).table_valued(*arrays).render_derived(name=derived)).limit(count)
-
-
-def lock_rollout_and_attempt(
-    ctx: UnitContext, run_id: int, rollout_id: str, attempt_id: str, columns: Sequence[Any]
-) -> tuple[Any, Any]:
-    """A rollout row and its attempt (``attempt_id`` or ``"latest"``) in ONE statement, for a write unit.
-
-    Returns (the rollout row with ``columns``, ``attempt_count`` and ``queue_seq``, or None; the
-    attempt row, or None).  PostgreSQL locks both, the rollout first: the attempt is a LATERAL
-    subquery of the locked rollout row (lock order, docs/store-contract.md §2.17).  SQLite reads both with one
-    join (``BEGIN IMMEDIATE`` already serialises writers).
-    """
-    latest = attempt_id == "latest"
-    names = tuple(c.name for c in columns)
-    stmt = cached(
-        ("lock_rollout_and_attempt", ctx.dialect, names, latest),
-        lambda: _lock_pair_statement(ctx.dialect, columns, latest=latest),
-    )
-    params: dict[str, Any] = {"lp_run_id": run_id, "lp_rollout_id": rollout_id}
-    if not latest:
-        params["lp_attempt_id"] = attempt_id
-    row = ctx.execute(stmt, params).first()
-    if row is None:
-        return None, None
-    attempt = row[-len(_ATTEMPT_NAMES) :]  # the attempt's columns come last
-    if attempt[_ATTEMPT_ID_AT] is None:
-        return row, None
-    return row, _AttemptRow(*attempt)
-
-
-_ATTEMPT_NAMES = tuple(c.name for c in s.attempts.c if c.name != "run_id")
-_ATTEMPT_ID_AT = _ATTEMPT_NAMES.index("attempt_id")
-_AttemptRow = namedtuple("_AttemptRow", _ATTEMPT_NAMES)  # type: ignore[misc]
-
-
-def _lock_pair_statement(dialect: str, columns: Sequence[Any], *, latest: bool) -> Any:
-    R, A = s.rollouts, s.attempts
-    run_id = bindparam("lp_run_id", type_=Integer)
-    rollout_id = bindparam("lp_rollout_id", type_=Text)
-    attempt_id = bindparam("lp_attempt_id", type_=Text)
-    if dialect != "postgresql":
-        which = A.c.sequence_id == R.c.attempt_count if latest else A.c.attempt_id == attempt_id
-        joined = R.outerjoin(A, and_(A.c.run_id == R.c.run_id, A.c.rollout_id == R.c.rollout_id, which))
-        attempt_columns = [A.c[name].label(f"a_{name}") for name in _ATTEMPT_NAMES]
-        return (
-            select(*columns, R.c.attempt_count, R.c.queue_seq, *attempt_columns)
-            .select_from(joined)
-            .where(R.c.run_id == run_id, R.c.rollout_id == rollout_id)
-        )
-    locked = (
-        select(*columns, R.c.attempt_count, R.c.queue_seq)
-        .where(R.c.run_id == run_id, R.c.rollout_id == rollout_id)
-        .with_for_update()
-        .cte("locked_rollout")
-    )
-    which = A.c.sequence_id == locked.c.attempt_count if latest else A.c.attempt_id == attempt_id
-    attempt = (
-        select(A)
-        .where(A.c.run_id == run_id, A.c.rollout_id == locked.c.rollout_id, which)
-        .with_for_update()
-        .lateral("locked_attempt")
-    )
-    return select(locked, *(attempt.c[name].label(f"a_{name}") for name in _ATTEMPT_NAMES)).select_from(
-        locked.outerjoin(attempt, true())
-    )
 
 
 def attempts_by_sequence(ctx: UnitContext, run_id: int, pairs: Sequence[tuple[str, int]]) -> list[Any]:
@@ -411,53 +347,3 @@ class Write:
     def execute(self, ctx: UnitContext) -> Any:
         """Run this write alone."""
         return ctx.execute(cached(self.key, self.build), self.params)
-
-
-def run_writes(ctx: UnitContext, writes: Sequence[Write]) -> Any:
-    """Run a unit's last writes and return the first row of the first one's RETURNING (or None).
-
-    The writes must touch distinct rows that the unit has locked already (or new rows), and none may
-    depend on another's effect: PostgreSQL runs them as ONE statement of data-modifying CTEs (which
-    all see the same snapshot), together with the unit's pending notifications, so the unit's
-    locks, these writes and COMMIT are its only round trips.  SQLite runs them in order.
-    """
-    if ctx.dialect != "postgresql":
-        first = None
-        for index, write in enumerate(writes):
-            result = write.execute(ctx)
-            if index == 0:
-                first = result.first()
-        return first
-    payloads = ctx.take_notifications()
-    key = ("writes_in_one_statement", tuple(write.key for write in writes), bool(payloads))
-    stmt = cached(key, lambda: _writes_statement([write.build() for write in writes], notify=bool(payloads)))
-    params: dict[str, Any] = {}
-    for write in writes:
-        params.update(write.params)
-    if payloads:
-        params["wn_channel"] = ctx.notify_channel
-        params["wn_payloads"] = payloads
-    return ctx.execute(stmt, params).first()
-
-
-def _writes_statement(statements: Sequence[Any], *, notify: bool) -> Any:
-    """The writes as data-modifying CTEs, returning the first one's rows."""
-    first, *others = [statement.cte(f"write_{index}") for index, statement in enumerate(statements)]
-    stmt = select(first)
-    for cte in others:
-        # A data-modifying CTE runs to completion whether or not the outer query reads it.
-        stmt = stmt.add_cte(cte)
-    if notify:
-        events = (
-            func.unnest(bindparam("wn_payloads", type_=ARRAY(Text)))
-            .table_valued("payload", with_ordinality="n")
-            .render_derived(name="events")
-        )
-        # A volatile output of a subquery is never pruned: every pg_notify runs, in order.
-        sent = (
-            select(func.pg_notify(bindparam("wn_channel", type_=Text), events.c.payload).label("sent"))
-            .order_by(events.c.n)
-            .subquery("sent")
-        )
-        stmt = stmt.add_columns(select(func.count()).select_from(sent).scalar_subquery().label("notified"))
-    return stmt

@@ -109,6 +109,10 @@ def classify_error(exc: BaseException) -> ErrorKind:
         name = type(item).__name__
         if name in _CONNECTION_ERROR_NAMES and "connect" in (str(item).lower() + name.lower()):
             return "transient"
+        if name == "InternalClientError":
+            # asyncpg's protocol is in a state no operation can start from: a connection the server
+            # ended between two statements ("another operation (2) is in progress").  A new one cures it.
+            return "transient"
         if name in ("InvalidPasswordError", "InvalidAuthorizationSpecificationError", "InvalidCatalogNameError"):
             return "unavailable"
     return "fatal"

@@ -1,26 +1,33 @@
-"""How a unit of work reaches the database: the interface both executors implement.
+"""How a call reaches the database: operations, batches, and the interface both executors implement.
 
-A *unit* is a plain sync function over a ``UnitContext`` (a SQLAlchemy ``Connection`` and the events
-it wants announced), written once for both dialects.  An executor runs it in ONE transaction, replays
-it after a transient error until the call's deadline, and settles a ``concurrent.futures.Future``
-with its result; there is one executor per process and database (``acquire_executor``).  Units are
-replay-safe: ids and "now" are decided before the first try, and ``ctx.attempt`` tells a replay to
-look for what an earlier try may have committed.  docs/architecture.md §7 describes both executors.
+A store call hands its executor one *operation*: an instance of an ``Operation`` subclass holding the
+call's arguments.  The executor gathers the calls of one operation that wait while its connection is
+busy (same ``batch_key``, no shared ``conflicts``, at most ``max_batch``) into a ``Batch`` and runs
+them together: the operation's runner in the dialect modules (``sqlite_batches``,
+``postgres_batches``) executes the batch as set-based statements, and the operation's ``outcomes``
+turns the rows into each caller's own result or error.  A lone call is a batch of one; no timer ever
+waits for more.  Off the hot path a call is a ``UnitCall``: a plain sync function over a
+``UnitContext`` (a SQLAlchemy ``Connection``), run alone in one transaction.
+
+Everything a batch writes is decided before its first try (ids, *now*, JSON), so it replays after a
+transient error until each call's deadline; ``Batch.attempt`` tells a replay to look for what an
+earlier try may have committed.  There is one executor per process and database
+(``acquire_executor``).  docs/architecture.md §7 describes both executors.
 """
 
 from __future__ import annotations
 
+import asyncio
 import atexit
-import concurrent.futures
 import hashlib
 import json
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from sqlalchemy import Connection
 
@@ -34,6 +41,7 @@ T = TypeVar("T")
 
 NOTIFY_CHANNEL = "lightning_sql_v1"
 OUTAGE_QUIET_S = 1.5  # an outage ends once no replay has failed for this long
+MAX_BATCH_CALLS = 64  # calls of one operation per batch: bounds a statement's parameters and rows
 
 
 def notify_channel(schema: str | None) -> str:
@@ -63,8 +71,27 @@ def json_serializer(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
+class Events:
+    """The ``finished``/``queued`` events of a run that a try wants announced: delivered once after
+    its commit, to this process's waiters and on PostgreSQL to every process through NOTIFY."""
+
+    def __init__(self) -> None:
+        self.events: set[tuple[int, str]] = set()
+        # Events whose NOTIFY a statement already sent (PostgreSQL: inside the writing statement).
+        self.notified: set[tuple[int, str]] = set()
+
+    def announce(self, run_id: int, kind: str) -> None:
+        self.events.add((run_id, kind))
+
+    def take_notifications(self) -> list[str]:
+        """The NOTIFY payloads of the events not sent yet, in a stable order; they count as sent."""
+        pending = sorted(self.events - self.notified)
+        self.notified.update(pending)
+        return [f"{run_id}:{kind}" for run_id, kind in pending]
+
+
 @dataclass
-class UnitContext:
+class UnitContext(Events):
     """What a unit sees besides its connection: the dialect, and the events it wants announced."""
 
     conn: Connection
@@ -74,19 +101,8 @@ class UnitContext:
     attempt: int = 0
     notify_channel: str = NOTIFY_CHANNEL
     events: set[tuple[int, str]] = field(default_factory=set)
-    # Events whose NOTIFY a statement of the unit already sent (PostgreSQL, ``dialect.run_writes``).
     notified: set[tuple[int, str]] = field(default_factory=set)
-
-    def announce(self, run_id: int, kind: str) -> None:
-        """Record a ``finished``/``queued`` event of a run, delivered once after the commit (to this
-        process's waiters, and on PostgreSQL to every process through NOTIFY)."""
-        self.events.add((run_id, kind))
-
-    def take_notifications(self) -> list[str]:
-        """The NOTIFY payloads of the events not sent yet, in a stable order; they count as sent."""
-        pending = sorted(self.events - self.notified)
-        self.notified.update(pending)
-        return [f"{run_id}:{kind}" for run_id, kind in pending]
+    run_id: int | None = None  # the bound run of ``SqlLightningStore.run_sql``
 
     def execute(self, stmt: Any, params: Any = None) -> Any:
         return self.conn.execute(stmt, params)
@@ -95,9 +111,149 @@ class UnitContext:
 Unit = Callable[[UnitContext], T]
 
 
+class Operation:
+    """One call of a store operation: its arguments (declared by the subclass, a dataclass) and
+    where its outcome goes.  The class says how a batch of such calls runs: ``name`` names the
+    runner of each dialect module, ``outcomes`` turns the runner's rows into one result or error per
+    call, in the batch's order."""
+
+    name: ClassVar[str]
+    write: ClassVar[bool] = True
+    max_batch: ClassVar[int] = MAX_BATCH_CALLS
+    __slots__ = ("future", "loop", "deadline", "outcome")
+
+    run_id: int
+    future: asyncio.Future[Any]  # on ``loop``, the caller's
+    loop: asyncio.AbstractEventLoop
+    deadline: float  # monotonic seconds
+    outcome: Any  # the result, or a ``Failure``
+
+    def batch_key(self) -> Hashable:
+        """Calls with equal keys may share a batch."""
+        return (self.name, self.run_id)
+
+    def conflicts(self) -> tuple[Hashable, ...]:
+        """Rows this call decides from and writes: calls that share one never share a batch (its
+        statement sees the rows as they were before the batch)."""
+        return ()
+
+    @classmethod
+    def outcomes(cls, batch: Batch, rows: Any) -> list[Any]:
+        """One result per call of ``batch`` (an exception instance: that caller's own error)."""
+        raise NotImplementedError
+
+
+class Failure:
+    """A call's own error, as an outcome."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+@dataclass(eq=False)
+class Batch:
+    """Calls of one operation that run together, and what their try wants announced."""
+
+    calls: list[Operation]
+    attempt: int = 0
+    notify_channel: str = NOTIFY_CHANNEL
+    events: Events = field(default_factory=Events)
+    conflicts: set[Hashable] = field(default_factory=set)
+
+    @property
+    def run_id(self) -> int:
+        return self.calls[0].run_id
+
+    def announce(self, kind: str) -> None:
+        self.events.announce(self.run_id, kind)
+
+
+def gather_batch(pending: list[Operation], first: int = 0) -> Batch:
+    """The batch of ``pending[first]`` with the later calls that may join it, taken out of
+    ``pending`` (calls that cannot join keep their place and order)."""
+    head = pending.pop(first)
+    batch = Batch([head], conflicts=set(head.conflicts()))
+    if head.max_batch <= 1:
+        return batch
+    key = head.batch_key()
+    index = first
+    while index < len(pending) and len(batch.calls) < head.max_batch:
+        call = pending[index]
+        if call.max_batch > 1 and call.batch_key() == key:
+            mine = call.conflicts()
+            if not batch.conflicts.intersection(mine):
+                batch.calls.append(pending.pop(index))
+                batch.conflicts.update(mine)
+                continue
+        index += 1
+    return batch
+
+
+def batches_of(calls: Iterable[Operation]) -> list[Batch]:
+    """``calls`` (in arrival order) as batches, in the order of their first calls."""
+    pending = list(calls)
+    out = []
+    while pending:
+        out.append(gather_batch(pending))
+    return out
+
+
+# Settled calls waiting for their event loop to take them, by loop: a loop is woken once however many
+# batches settle calls of it before it runs (one cross-thread wake-up per burst, not per call).
+_outboxes: dict[asyncio.AbstractEventLoop, list[Operation]] = {}
+_outbox_lock = threading.Lock()
+
+
+def settle(calls: Iterable[Operation]) -> None:
+    """Hand each call its outcome on its caller's event loop."""
+    wake = []
+    with _outbox_lock:
+        for call in calls:
+            box = _outboxes.get(call.loop)
+            if box is None:
+                box = _outboxes[call.loop] = []
+                wake.append(call.loop)
+            box.append(call)
+    for loop in wake:
+        try:
+            loop.call_soon_threadsafe(_deliver, loop)
+        except RuntimeError:  # a closed loop: nobody is left to take them
+            with _outbox_lock:
+                _outboxes.pop(loop, None)
+
+
+def _deliver(loop: asyncio.AbstractEventLoop) -> None:
+    with _outbox_lock:
+        calls = _outboxes.pop(loop, [])
+    for call in calls:
+        fut = call.future
+        if fut.done():
+            continue
+        outcome = call.outcome
+        if isinstance(outcome, Failure):
+            fut.set_exception(outcome.error)
+        else:
+            fut.set_result(outcome)
+
+
+@dataclass(eq=False, slots=True)
+class UnitCall(Operation):
+    """A call off the hot path: ``unit`` alone in one transaction (``write``: one that may write;
+    ``snapshot``: a read that must see one snapshot across its statements)."""
+
+    name: ClassVar[str] = "unit"
+    max_batch: ClassVar[int] = 1
+    unit: Callable[[UnitContext], Any]
+    writes: bool
+    snapshot: bool = False
+    run_id: int = 0
+
+
 @dataclass(frozen=True)
 class SchemaUnit:
-    """Make sure the schema exists and is current; run once per executor before any other unit."""
+    """Make sure the schema exists and is current; run once per executor before any other call."""
 
     auto_migrate: bool
     read_only: bool
@@ -106,8 +262,12 @@ class SchemaUnit:
         raise NotImplementedError
 
 
+def is_write(call: Operation) -> bool:
+    return call.writes if isinstance(call, UnitCall) else call.write
+
+
 class Executor:
-    """Runs units on one database for every store instance of this process (see the module doc)."""
+    """Runs the calls of every store instance of this process on one database (see the module doc)."""
 
     def __init__(self, target: DatabaseTarget, *, schema: str | None, options: dict[str, Any]) -> None:
         self.target = target
@@ -124,21 +284,18 @@ class Executor:
     def dialect(self) -> str:
         return self.target.dialect
 
-    def submit(
-        self, unit: Unit[T], *, write: bool, deadline_s: float, snapshot: bool = False
-    ) -> concurrent.futures.Future[T]:
-        """Run ``unit`` in one transaction (``write``: one that may write; ``snapshot``: a read
-        that must see one snapshot across its statements) and settle the future with its result."""
+    def submit(self, call: Operation) -> asyncio.Future[Any]:
+        """Queue ``call`` (its ``deadline`` set, in monotonic seconds); the future, on the running
+        loop, gets its outcome."""
         raise NotImplementedError
 
     def close(self) -> None:
         raise NotImplementedError
 
-    def replayable(self, exc: BaseException, started: float, deadline_s: float, attempt: int) -> bool:
-        """Whether a unit that raised ``exc`` on try ``attempt`` is replayed after a back-off; False
-        for its own error (the caller re-raises it).  Raises ``StoreUnavailableError`` for a
-        database that cannot answer (now, or not before the deadline) and ``PermissionError`` for a
-        role that may not do this."""
+    def replayable(self, exc: BaseException, attempt: int) -> bool:
+        """Whether a try that raised ``exc`` is replayed after a back-off; False for the calls' own
+        error.  Raises ``StoreUnavailableError`` for a database that cannot answer and
+        ``PermissionError`` for a role that may not do this."""
         kind = classify_error(exc)
         if kind == "unavailable":
             raise unavailable(exc, self.target) from exc
@@ -146,13 +303,22 @@ class Executor:
             raise denied(exc, self.target) from exc
         if kind != "transient":
             return False
-        if time.monotonic() - started > deadline_s:
-            raise unavailable(exc, self.target) from exc
         self.note_transient_error(exc, attempt)
         return True
 
+    def expired(self, calls: list[Operation], exc: BaseException) -> list[Operation]:
+        """The calls still within their deadline; the others fail with ``StoreUnavailableError``."""
+        now = time.monotonic()
+        live = []
+        for call in calls:
+            if now > call.deadline:
+                call.outcome = Failure(unavailable(exc, self.target))
+            else:
+                live.append(call)
+        return live
+
     def note_transient_error(self, exc: BaseException, attempt: int) -> None:
-        """Log an outage once, whatever the number of units, runners and retries it hits.  A unit's
+        """Log an outage once, whatever the number of calls, runners and retries it hits.  A try's
         first failure is not one (a pooled connection the server dropped fails once, and the replay
         on a new connection succeeds): an outage is replays failing, and it lasts until none has
         failed for ``OUTAGE_QUIET_S`` (connection slots taken by other processes fail some replays
@@ -165,9 +331,16 @@ class Executor:
             logger.warning("%s %s: %s; retrying until it answers", name, self.target.masked, reason(exc, self.target))
         self._last_failed_replay = now
 
-    def after_commit(self, ctx: UnitContext) -> None:
-        for run_id, _kind in ctx.events:
+    def after_commit(self, events: Events) -> None:
+        for run_id, _kind in events.events:
             self.hub.wake(run_id)
+
+
+def run_outcomes(batch: Batch, rows: Any) -> None:
+    """Store the outcomes of ``batch`` computed from its runner's ``rows`` on its calls."""
+    cls = type(batch.calls[0])
+    for call, outcome in zip(batch.calls, cls.outcomes(batch, rows), strict=True):
+        call.outcome = Failure(outcome) if isinstance(outcome, BaseException) else outcome
 
 
 # --- one executor per process and database --------------------------------------------------

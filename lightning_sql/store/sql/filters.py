@@ -163,6 +163,12 @@ def within(column: Any, values: Sequence[Any]) -> ColumnElement[bool]:
     return column.in_(values)
 
 
+def one_of(column: Any, values: Sequence[Any]) -> ColumnElement[bool]:
+    """``column IN (values)`` for a statement compiled once: an OR of equalities, whose values are
+    the statement's own (an IN list is expanded per execution)."""
+    return or_(*(column == value for value in values))
+
+
 def pool(conditions: list[ColumnElement[bool]], filter_logic: str) -> ColumnElement[bool]:
     """Reduce the condition pool: AND over nothing is true, OR over nothing is false."""
     if filter_logic == "or":

@@ -27,7 +27,9 @@ from lightning_sql.store.sql import runs as run_units
 from lightning_sql.store.sql import schema as s
 from lightning_sql.store.sql.executor import (
     Executor,
+    Operation,
     SchemaUnit,
+    UnitCall,
     UnitContext,
     acquire_executor,
     notify_channel,
@@ -303,12 +305,14 @@ class StoreInstance:
     ) -> T:
         """Run ``unit`` on the executor in one transaction (``snapshot``: a read that must see one
         snapshot across its statements) and wait for its result, cancellation-safe."""
+        return await self._run(worker, UnitCall(unit, write, snapshot))  # type: ignore[no-any-return]
+
+    async def _run(self, worker: Executor, call: Operation) -> Any:
+        """Hand ``call`` to the executor and wait for its outcome, cancellation-safe; the call's
+        deadline is what is left of the public call's ``connect_deadline_seconds``."""
         deadline_at = _call_deadline.get()
-        deadline_s = self.connect_deadline_seconds if deadline_at is None else max(deadline_at - time.monotonic(), 0.0)
-        fut = worker.submit(unit, write=write, deadline_s=deadline_s, snapshot=snapshot)
-        if fut.done():  # a read that ran in this thread (SQLite): still a suspension point
-            await asyncio.sleep(0)
-        return await _outcome(asyncio.wrap_future(fut))
+        call.deadline = time.monotonic() + self.connect_deadline_seconds if deadline_at is None else deadline_at
+        return await _outcome(worker.submit(call))
 
     async def _prepare(self, *, needs_run: bool = True) -> tuple[Executor, int | None]:
         worker = self._attach()
@@ -335,6 +339,36 @@ class StoreInstance:
             )
         return worker, self._run_id
 
+    async def run_sql(
+        self, work: Callable[[UnitContext], T], *, write: bool = False, snapshot: bool = False, bound: bool = True
+    ) -> T:
+        """Run ``work(ctx)``, plain synchronous SQLAlchemy Core over ``ctx.conn``, in ONE transaction
+        of this store's executor, within the call's ``connect_deadline_seconds``, replayed after a
+        transient error (so it must be replay-safe, as every unit of the store is).  ``write``: a
+        transaction that may write (refused on a read-only store); ``snapshot``: a read that sees one
+        snapshot across its statements (REPEATABLE READ READ ONLY on PostgreSQL).  With ``bound``
+        the store's run is resolved first and ``ctx.run_id`` is its id; tables of a named
+        PostgreSQL schema are reached through ``schema_translate_map``.  The entry point of the
+        checker, the analysis helpers and ``lightning-sql gc`` (docs/architecture.md §7)."""
+        if write:
+            self._check_writable("run_sql")
+        token = _call_deadline.set(time.monotonic() + self.connect_deadline_seconds)
+        try:
+            worker, run_id = await self._prepare(needs_run=bound)
+
+            def unit(ctx: UnitContext) -> T:
+                ctx.run_id = run_id
+                return work(ctx)
+
+            return await self._submit(worker, unit, write=write, snapshot=snapshot)
+        finally:
+            _call_deadline.reset(token)
+
+    @property
+    def schema(self) -> str | None:
+        """The PostgreSQL schema of the store's tables (None on SQLite)."""
+        return self._schema if self._target.dialect == "postgresql" else None
+
     def _check_writable(self, method: str) -> None:
         if self.read_only:
             raise PermissionError(f"{method}() writes to the store, but this store is read_only=True")
@@ -347,8 +381,17 @@ class StoreInstance:
         write: bool,
         sweeps: bool = False,
     ) -> T:
-        """Run one unit for the bound run: ``unit(ctx, run_id, now)``, after a due lazy sweep.  The
-        call's ``connect_deadline_seconds`` covers all of it (schema check, sweep and unit)."""
+        """Run one unit for the bound run: ``unit(ctx, run_id, now)``, after a due lazy sweep."""
+        result = await self._call_op(
+            method, lambda run_id, now: UnitCall(lambda ctx: unit(ctx, run_id, now), write), write=write, sweeps=sweeps
+        )
+        return result  # type: ignore[no-any-return]
+
+    async def _call_op(
+        self, method: str, make: Callable[[int, float], Operation], *, write: bool, sweeps: bool = False
+    ) -> Any:
+        """Run the operation ``make(run_id, now)`` for the bound run, after a due lazy sweep.  The
+        call's ``connect_deadline_seconds`` covers all of it (schema check, sweep and operation)."""
         if write:
             self._check_writable(method)
         token = _call_deadline.set(time.monotonic() + self.connect_deadline_seconds)
@@ -357,8 +400,7 @@ class StoreInstance:
             assert run_id is not None
             if sweeps:
                 await self._maybe_sweep(worker, run_id)
-            now = self.now()
-            return await self._submit(worker, lambda ctx: unit(ctx, run_id, now), write=write)
+            return await self._run(worker, make(run_id, self.now()))
         finally:
             _call_deadline.reset(token)
 

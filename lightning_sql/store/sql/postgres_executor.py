@@ -1,43 +1,53 @@
-"""The PostgreSQL executor (docs/architecture.md §7): one I/O thread per process and database, running
-an event loop that owns a SQLAlchemy ``AsyncEngine`` on asyncpg with at most ``pool_size`` pooled
-connections (units wait for one in FIFO order) and one LISTEN connection.  A unit is one transaction
-run through ``AsyncConnection.run_sync``; reads run in autocommit, a ``snapshot`` read in one
-REPEATABLE READ READ ONLY transaction; a write's events go out with ``pg_notify`` inside its
-transaction, so the COMMIT delivers them.
+"""The PostgreSQL executor (docs/architecture.md §7).
+
+One I/O thread per process and database runs an event loop that owns a SQLAlchemy ``AsyncEngine``
+on asyncpg with at most ``pool_size`` pooled connections and one LISTEN connection.  Calls from any
+thread reach the loop through one queue (one cross-thread wake-up per burst, not per call) and wait
+in arrival order.  ``pool_size`` *lanes* run them: a free lane takes the oldest waiting call with
+the calls of its operation that wait too (``executor.gather_batch``), and runs the batch on the
+connection it holds while there is work.  A batch is one statement on the asyncpg connection
+(``postgres_batches``), in autocommit: one round trip.  A unit runs through
+``AsyncConnection.run_sync`` in one transaction (READ COMMITTED for a write, REPEATABLE READ READ
+ONLY for a snapshot read), its events sent with ``pg_notify`` inside it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import collections
 import logging
 import threading
 import time
 import uuid
-from typing import Any, TypeVar
+from typing import Any
 
 from sqlalchemy import Connection, event, make_url, text
 from sqlalchemy.exc import DisconnectionError
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
-from lightning_sql.store.sql import migrate
+from lightning_sql.store.sql import migrate, postgres_batches
 from lightning_sql.store.sql.errors import StoreUnavailableError, backoff, classify_error
 from lightning_sql.store.sql.executor import (
+    Batch,
     Executor,
+    Failure,
+    Operation,
     SchemaUnit,
-    Unit,
+    UnitCall,
     UnitContext,
+    gather_batch,
+    is_write,
     json_serializer,
     notify_channel,
+    run_outcomes,
+    settle,
 )
 from lightning_sql.store.sql.rows import json_deserializer
 from lightning_sql.store.sql.urls import DatabaseTarget
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
-PG_POOL_SIZE = 4  # connections per process for units; the budget is pool_size + 1 (LISTEN)
+PG_POOL_SIZE = 4  # connections (lanes) per process; the budget is pool_size + 1 (LISTEN)
 PG_LISTEN_RECONNECT_S = 1.0  # how soon a lost LISTEN connection is tried again
 PG_POLL_INTERVAL_S = 0.2  # listen=False: how often waiters re-read
 # A pooled connection is pinged on checkout only when it rested longer than this: one that answered
@@ -66,23 +76,32 @@ class PostgresExecutor(Executor):
         self.notify_channel = notify_channel(schema)
         self._loop = asyncio.new_event_loop()
         self._engine: AsyncEngine | None = None
-        self._slots: asyncio.Semaphore | None = None
-        self._schema_lock: asyncio.Lock | None = None
+        self._incoming: collections.deque[Operation] = collections.deque()  # from any thread
+        self._intake_scheduled = False
+        self._pending: list[Operation] = []  # the loop's: calls in arrival order
+        self._work: asyncio.Event | None = None
         self._listener: Any = None
         self._background: set[asyncio.Task[Any]] = set()
+        self._held: set[AsyncConnection] = set()  # the lanes' connections
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"lightning-sql-pg[{target.masked}]", daemon=True)
         self._thread.start()
 
     # --- the interface ----------------------------------------------------------------------
 
-    def submit(
-        self, unit: Unit[T], *, write: bool, deadline_s: float, snapshot: bool = False
-    ) -> concurrent.futures.Future[T]:
+    def submit(self, call: Operation) -> asyncio.Future[Any]:
+        loop = asyncio.get_running_loop()
+        call.loop = loop
+        call.future = fut = loop.create_future()
         if self.closed:
-            fut: concurrent.futures.Future[T] = concurrent.futures.Future()
             fut.set_exception(RuntimeError("The store's PostgreSQL executor is closed"))
             return fut
-        return asyncio.run_coroutine_threadsafe(self._run(unit, write, deadline_s, snapshot), self._loop)
+        self._incoming.append(call)
+        # One wake-up of the I/O loop per burst: whoever finds none scheduled schedules one (the
+        # intake clears the flag before it drains, so a call appended meanwhile is never missed).
+        if not self._intake_scheduled:
+            self._intake_scheduled = True
+            self._loop.call_soon_threadsafe(self._intake)
+        return fut
 
     def close(self) -> None:
         if self.closed:
@@ -90,8 +109,12 @@ class PostgresExecutor(Executor):
         self.closed = True
 
         async def shutdown() -> None:
-            for task in list(self._background):
+            tasks = list(self._background)
+            for task in tasks:
                 task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for conn in list(self._held):
+                await self._release(conn)
             if self._listener is not None:
                 try:
                     await self._listener.close(timeout=2)
@@ -112,14 +135,148 @@ class PostgresExecutor(Executor):
         if not self._thread.is_alive():
             self._loop.close()
 
-    # --- running units ----------------------------------------------------------------------
+    # --- the lanes ----------------------------------------------------------------------------
 
-    def _start_engine(self) -> AsyncEngine:
-        if self._engine is None:
-            self._engine = self._make_engine()
-            self._slots = asyncio.Semaphore(self.pool_size)
-            self._schema_lock = asyncio.Lock()
-        return self._engine
+    def _intake(self) -> None:
+        self._intake_scheduled = False
+        while self._incoming:
+            self._pending.append(self._incoming.popleft())
+        if self._work is None:
+            self._start()
+        assert self._work is not None
+        self._work.set()
+
+    def _start(self) -> None:
+        self._engine = self._make_engine()
+        self._work = asyncio.Event()
+        for _ in range(self.pool_size):
+            self._spawn(self._lane())
+
+    def _spawn(self, coro: Any) -> None:
+        task = self._loop.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _lane(self) -> None:
+        """Run batches while calls wait, on a connection held for as long as there is work."""
+        assert self._work is not None and self._engine is not None
+        conn: AsyncConnection | None = None
+        while not self.closed:
+            if not self._pending:
+                if conn is not None:
+                    self._held.discard(conn)
+                    await self._release(conn)
+                    conn = None
+                self._work.clear()
+                await self._work.wait()
+                continue
+            batch = gather_batch(self._pending)
+            conn = await self._execute(conn, batch)
+            settle(batch.calls)
+            if conn is not None:
+                self._held.add(conn)
+
+    async def _release(self, conn: AsyncConnection) -> None:
+        try:
+            await conn.close()
+        except Exception:  # noqa: BLE001 - the pool replaces it
+            logger.debug("returning a connection to the pool failed", exc_info=True)
+
+    async def _execute(self, conn: AsyncConnection | None, batch: Batch) -> AsyncConnection | None:
+        """Run ``batch``, replayed after transient errors until each call's deadline; every call gets
+        its outcome.  Returns the connection to keep using (None: it was dropped)."""
+        assert self._engine is not None
+        attempt = 0
+        while batch.calls:
+            batch.attempt = attempt
+            try:
+                if conn is None:
+                    conn = await self._engine.connect()
+                await self._once(conn, batch)
+                self.after_commit(batch.events)
+                return conn
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - outcomes for every caller
+                if conn is not None and (classify_error(exc) == "transient" or conn.invalidated):
+                    # Its connection may be broken in a way the driver does not report as a
+                    # disconnect: the pool opens a new one rather than hand this one out again.
+                    self._held.discard(conn)
+                    await self._drop(conn)
+                    conn = None
+                try:
+                    replay = not isinstance(exc, StoreUnavailableError) and self.replayable(exc, attempt)
+                except BaseException as final:  # noqa: BLE001 - unavailable or denied: final for all
+                    exc, replay = final, False
+                if not replay:
+                    if len(batch.calls) > 1 and classify_error(exc) == "fatal":
+                        for call in batch.calls:  # the calls' own errors: each runs alone
+                            conn = await self._execute(conn, Batch([call], notify_channel=self.notify_channel))
+                        return conn
+                    for call in batch.calls:
+                        call.outcome = Failure(exc)
+                    return conn
+                batch = Batch(self.expired(batch.calls, exc), notify_channel=self.notify_channel)
+                await asyncio.sleep(backoff(attempt))
+                attempt += 1
+        return conn
+
+    async def _drop(self, conn: AsyncConnection) -> None:
+        try:
+            await conn.invalidate()
+            await conn.close()
+        except Exception:  # noqa: BLE001 - it is being thrown away
+            logger.debug("dropping a broken connection failed", exc_info=True)
+
+    async def _once(self, conn: AsyncConnection, batch: Batch) -> None:
+        head = batch.calls[0]
+        if isinstance(head, UnitCall):
+            if isinstance(head.unit, SchemaUnit):
+                await self._ensure_schema(conn, head.unit)
+                head.outcome = None
+            else:
+                head.outcome = await self._unit(conn, head, batch)
+            return
+        raw = (await conn.get_raw_connection()).driver_connection
+        assert raw is not None
+        if self.pooled:
+            # Behind a transaction pooler a statement's parse and execution must share a transaction.
+            async with raw.transaction():
+                rows = await postgres_batches.run(raw, self.schema, self.notify_channel, batch)
+        else:
+            rows = await postgres_batches.run(raw, self.schema, self.notify_channel, batch)
+        run_outcomes(batch, rows)
+
+    async def _unit(self, conn: AsyncConnection, call: UnitCall, batch: Batch) -> Any:
+        """``call.unit`` in one transaction on ``conn`` (autocommit again afterwards)."""
+        write = is_write(call)
+
+        def whole(sync_conn: Connection) -> Any:
+            ctx = UnitContext(sync_conn, "postgresql", attempt=batch.attempt, notify_channel=self.notify_channel)
+            try:
+                result = call.unit(ctx)
+                payloads = ctx.take_notifications() if write else []
+                if payloads:
+                    sync_conn.execute(_NOTIFY, {"channel": self.notify_channel, "payloads": payloads})
+                sync_conn.commit()
+            except BaseException:
+                try:
+                    sync_conn.rollback()
+                except Exception:  # noqa: BLE001 - the unit's own error is the one to report
+                    logger.debug("rollback after a failed unit failed", exc_info=True)
+                raise
+            batch.events.events.update(ctx.events)
+            return result
+
+        if write or (self.pooled and not call.snapshot):
+            await conn.execution_options(isolation_level="READ COMMITTED")
+        elif call.snapshot:
+            await conn.execution_options(isolation_level="REPEATABLE READ", postgresql_readonly=True)
+        try:
+            return await conn.run_sync(whole)
+        finally:
+            if not conn.invalidated:
+                await conn.execution_options(isolation_level="AUTOCOMMIT", postgresql_readonly=False)
 
     def _make_engine(self) -> AsyncEngine:
         opts = dict(self.options)
@@ -143,7 +300,7 @@ class PostgresExecutor(Executor):
             json_serializer=json_serializer,
             json_deserializer=json_deserializer,
             echo=bool(opts.get("echo", False)),
-            isolation_level="AUTOCOMMIT",  # reads need no transaction; writes ask for one
+            isolation_level="AUTOCOMMIT",  # a batch is one statement; units ask for a transaction
             pool_size=self.pool_size,
             max_overflow=0,
             **kwargs,
@@ -154,104 +311,32 @@ class PostgresExecutor(Executor):
             engine = engine.execution_options(schema_translate_map={None: self.schema})
         return engine
 
-    async def _run(self, unit: Unit[T], write: bool, deadline_s: float, snapshot: bool) -> T:
-        engine = self._start_engine()
-        assert self._slots is not None
-        started = time.monotonic()
-        attempt = 0
-        while True:
-            try:
-                if isinstance(unit, SchemaUnit):
-                    await self._ensure_schema(engine, unit)
-                    return None  # type: ignore[return-value]
-                await self._take_slot(started + deadline_s)
-                try:
-                    result = await self._once(engine, unit, write, snapshot, attempt)
-                finally:
-                    self._slots.release()
-                return result
-            except asyncio.CancelledError:
-                raise
-            except StoreUnavailableError:
-                raise
-            except BaseException as exc:
-                if not self.replayable(exc, started, deadline_s, attempt):
-                    raise
-                await asyncio.sleep(backoff(attempt))
-                attempt += 1
-
-    async def _take_slot(self, deadline: float) -> None:
-        """A turn on one of the pool's connections; the wait counts against the unit's deadline (a
-        pool held by units that the database keeps waiting means the database is not answering)."""
-        assert self._slots is not None
+    async def _ensure_schema(self, conn: AsyncConnection, unit: SchemaUnit) -> None:
+        if self.schema_ready is not None:
+            return
+        # One transaction: the migration lock is transaction-scoped and the DDL commits whole.
+        await conn.execution_options(isolation_level="READ COMMITTED")
         try:
-            await asyncio.wait_for(self._slots.acquire(), timeout=max(deadline - time.monotonic(), 0.0))
-        except TimeoutError:
-            raise StoreUnavailableError(
-                f"Database {self.target.masked} is unavailable: none of the {self.pool_size} pooled "
-                "connections became free before the call's deadline (connect_deadline_seconds)"
-            ) from None
-
-    async def _once(self, engine: AsyncEngine, unit: Unit[T], write: bool, snapshot: bool, attempt: int) -> T:
-        ctx_holder: list[UnitContext] = []
-
-        def whole(conn: Connection) -> T:
-            ctx = UnitContext(conn, "postgresql", attempt=attempt, notify_channel=self.notify_channel)
-            ctx_holder.append(ctx)
-            try:
-                result = unit(ctx)
-                payloads = ctx.take_notifications() if write else []
-                if payloads:
-                    conn.execute(_NOTIFY, {"channel": self.notify_channel, "payloads": payloads})
-                conn.commit()
-            except BaseException:
-                try:
-                    conn.rollback()
-                except Exception:  # noqa: BLE001 - the unit's own error is the one to report
-                    logger.debug("rollback after a failed unit failed", exc_info=True)
-                raise
-            return result
-
-        async with engine.connect() as aconn:
-            if write or (self.pooled and not snapshot):
-                await aconn.execution_options(isolation_level="READ COMMITTED")
-            elif snapshot:
-                await aconn.execution_options(isolation_level="REPEATABLE READ", postgresql_readonly=True)
-            try:
-                result = await aconn.run_sync(whole)
-            except Exception as exc:
-                if classify_error(exc) == "transient":
-                    # Its connection may be broken in a way the driver does not report as a
-                    # disconnect: the pool opens a new one rather than hand this one out again.
-                    await aconn.invalidate()
-                raise
-        self.after_commit(ctx_holder[0])
-        return result
-
-    async def _ensure_schema(self, engine: AsyncEngine, unit: SchemaUnit) -> None:
-        assert self._schema_lock is not None
-        async with self._schema_lock:
-            if self.schema_ready is not None:
-                return
-            async with engine.connect() as aconn:
-                # One transaction: the migration lock is transaction-scoped and the DDL commits whole.
-                await aconn.execution_options(isolation_level="READ COMMITTED")
-                await aconn.run_sync(
-                    lambda conn: migrate.ensure_schema(
-                        conn,
-                        schema=self.schema,
-                        auto_migrate=unit.auto_migrate,
-                        read_only=unit.read_only,
-                        url_for_messages=self.target.masked,
-                    )
+            await conn.run_sync(
+                lambda sync_conn: migrate.ensure_schema(
+                    sync_conn,
+                    schema=self.schema,
+                    auto_migrate=unit.auto_migrate,
+                    read_only=unit.read_only,
+                    url_for_messages=self.target.masked,
                 )
-                await aconn.commit()
-            self.schema_ready = (unit.auto_migrate, unit.read_only)
-            loop = asyncio.get_running_loop()
-            waker = self._listen_forever() if self.listen else self._poll_forever()
-            task = loop.create_task(waker)
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            )
+            await conn.commit()
+        except BaseException:
+            await conn.rollback()
+            raise
+        finally:
+            if not conn.invalidated:
+                await conn.execution_options(isolation_level="AUTOCOMMIT")
+        if self.schema_ready is not None:
+            return
+        self.schema_ready = (unit.auto_migrate, unit.read_only)
+        self._spawn(self._listen_forever() if self.listen else self._poll_forever())
 
     # --- wake-ups -----------------------------------------------------------------------------
 

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-from sqlalchemy import ColumnElement, bindparam, func, select, update
+from sqlalchemy import ColumnElement, Text, and_, bindparam, func, select, update
 
 from lightning_sql.store.sql import dialect as d
 from lightning_sql.store.sql import filters as f
 from lightning_sql.store.sql import schema as s
-from lightning_sql.store.sql.executor import EncodedJson, UnitContext
+from lightning_sql.store.sql.executor import Batch, EncodedJson, Operation, UnitContext
 from lightning_sql.store.sql.rows import (
+    ATTEMPT_FIELDS,
     ROLLOUT_COLUMNS,
     attempt_from_row,
     attempted,
@@ -474,16 +475,62 @@ def query_rollouts(
     return PaginatedResult(items=items, limit=limit, offset=offset, total=total)
 
 
-def get_rollout(ctx: UnitContext, run_id: int, rollout_id: str) -> Rollout | AttemptedRollout | None:
-    rows = ctx.execute(_ROLLOUT_WITH_COUNT, {"r_run_id": run_id, "r_rollout_id": rollout_id}).all()
-    if not rows:
-        return None
-    return with_latest_attempts(ctx, run_id, rows)[0]
+@dataclass(eq=False, slots=True)
+class ReadRollout(Operation):
+    """``get_rollout_by_id`` (the rollout with its latest attempt), or with ``attempt_only``
+    ``get_latest_attempt``: calls of one run read together, one statement over their ids."""
+
+    name: ClassVar[str] = "read_rollout"
+    write: ClassVar[bool] = False
+    run_id: int
+    rollout_id: str
+    attempt_only: bool = False
+
+    @classmethod
+    def outcomes(cls, batch: Batch, rows: Any) -> list[Any]:
+        by_call = {row["n"]: row for row in rows}
+        out: list[Any] = []
+        for n, call in enumerate(batch.calls, 1):
+            assert isinstance(call, ReadRollout)
+            row = by_call.get(n)
+            attempt = None
+            if row is not None and row["a_attempt_id"] is not None:
+                attempt = Attempt.model_construct(**{name: row[f"a_{name}"] for name in ATTEMPT_FIELDS})
+            if call.attempt_only:
+                out.append(attempt)
+            else:
+                out.append(None if row is None else attempted(row, attempt))
+        return out
 
 
-_ROLLOUT_WITH_COUNT = select(*ROLLOUT_COLUMNS, R.c.attempt_count).where(
-    R.c.run_id == bindparam("r_run_id"), R.c.rollout_id == bindparam("r_rollout_id")
-)
+READ_ROLLOUT_KEYS: list[d.KeyColumn] = [("rollout_id", Text())]
+
+
+def read_rollout_statement(dialect: str, single: bool) -> Any:
+    """The rollouts of the batch's keys with their latest attempts (``a_*``), each with ``n``."""
+    keys = d.keys_source(dialect, "r", READ_ROLLOUT_KEYS, single=single)
+    run_id = keys.c.run_id
+    latest = A.alias("latest")
+    rollout = and_(R.c.run_id == run_id, R.c.rollout_id == keys.c.rollout_id)
+    with_attempt = R.outerjoin(
+        latest,
+        and_(latest.c.run_id == R.c.run_id, latest.c.rollout_id == R.c.rollout_id, latest.c.sequence_id == R.c.attempt_count),
+    )
+    stmt = select(
+        keys.c.n.label("n"),
+        *ROLLOUT_COLUMNS,
+        R.c.attempt_count,
+        *(latest.c[name].label(f"a_{name}") for name in ATTEMPT_FIELDS),
+    )
+    if single:
+        return stmt.select_from(with_attempt).where(rollout)
+    return stmt.select_from(keys.join(with_attempt, rollout))
+
+
+def read_rollout_params(dialect: str, batch: Batch) -> tuple[dict[str, Any], bool]:
+    single = len(batch.calls) == 1
+    rows = [(call.rollout_id,) for call in batch.calls]  # type: ignore[attr-defined]
+    return {"run_id": batch.run_id, **d.keys_params(dialect, "r", READ_ROLLOUT_KEYS, rows, single=single)}, single
 
 
 def rollout_exists(ctx: UnitContext, run_id: int, rollout_id: str) -> bool:
@@ -491,16 +538,6 @@ def rollout_exists(ctx: UnitContext, run_id: int, rollout_id: str) -> bool:
         select(R.c.rollout_id).where(R.c.run_id == run_id, R.c.rollout_id == rollout_id)
     ).first()
     return row is not None
-
-
-def get_latest_attempt(ctx: UnitContext, run_id: int, rollout_id: str) -> Attempt | None:
-    row = ctx.execute(
-        select(A)
-        .where(A.c.run_id == run_id, A.c.rollout_id == rollout_id)
-        .order_by(A.c.sequence_id.desc())
-        .limit(1)
-    ).first()
-    return attempt_from_row(row) if row is not None else None
 
 
 def finished_rollouts(

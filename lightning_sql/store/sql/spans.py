@@ -1,4 +1,17 @@
-"""Units of work for spans and span sequence counters (docs/store-contract.md §2.9, §2.10).
+"""Spans and span sequence counters (docs/store-contract.md §2.9, §2.10): the operations.
+
+``ReserveSequenceIds``, ``AddSpans`` and ``ReadSpans`` are calls of the hot span paths; a batch of
+them runs in the dialect modules (``sqlite_batches``, ``postgres_batches``) and comes back here to
+be turned into each caller's result.  What both dialects must do:
+
+* reservations: every rollout's counter moves once by the batch's total for it; a call naming a
+  missing rollout reserves nothing and fails alone.  The runner returns ``{rollout_id: end}`` for
+  the counters it moved and the set of missing rollout ids.
+* span inserts: a call whose rollout or attempt is missing inserts nothing and fails alone; for the
+  other calls each span key is inserted by its first occurrence (``ON CONFLICT DO NOTHING``), every
+  rollout's counter becomes ``max(counter, highest sequence id of its groups)``, and each
+  (rollout, attempt) that inserted anything gets its heartbeat (and, for the latest attempt, the
+  rollout's promotion to ``running``).  The runner returns a ``SpanInsert``.
 
 Lock order (PostgreSQL): the rollout rows first (in ``rollout_id`` order), then the attempt rows,
 then the span inserts; the heartbeat written last only touches rows already locked.
@@ -8,17 +21,17 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
-from sqlalchemy import bindparam, case, func, select, tuple_, update
+from sqlalchemy import Float, Integer, Text, case, func, select
 
 from lightning_sql.store.sql import dialect as d
 from lightning_sql.store.sql import filters as f
 from lightning_sql.store.sql import schema as s
-from lightning_sql.store.sql.executor import UnitContext
-from lightning_sql.store.sql.rows import span_from_row
-from lightning_sql.store.sql.statements import cached
+from lightning_sql.store.sql.executor import Batch, Operation
+from lightning_sql.store.sql.rows import SPAN_COLUMNS, span_from_row
 from lightning_sql.types import QUEUED_STATUSES, PaginatedResult, Span, check_text
 from lightning_sql.types.jsonvalue import MAX_ID_BYTES
 
@@ -29,158 +42,206 @@ A = s.attempts
 S = s.spans
 
 
-_LOCKED_ROLLOUT_COLUMNS = (R.c.rollout_id, R.c.status, R.c.span_seq)
-_LOCKED_ATTEMPT_COLUMNS = (A.c.rollout_id, A.c.attempt_id, A.c.sequence_id, A.c.status)
+# --- sequence ids -------------------------------------------------------------------------------
 
 
-def _rollout_update() -> Any:
-    """An UPDATE of the rollout row named by ``s_run_id`` and ``s_rollout_id``."""
-    return update(R).where(R.c.run_id == bindparam("s_run_id"), R.c.rollout_id == bindparam("s_rollout_id"))
+@dataclass(eq=False, slots=True)
+class ReserveSequenceIds(Operation):
+    """One sequence id per (rollout, attempt) pair, handed out in input order."""
+
+    name: ClassVar[str] = "reserve_sequence_ids"
+    run_id: int
+    pairs: list[tuple[str, str]]
+
+    def counts(self) -> Counter[str]:
+        return Counter(rid for rid, _aid in self.pairs)  # in order of first use
+
+    @classmethod
+    def outcomes(cls, batch: Batch, rows: Any) -> list[Any]:
+        ends, missing = rows
+        ok = [call for call in batch.calls if not _missing_in(call, missing)]
+        totals: Counter[str] = Counter()
+        for call in ok:
+            assert isinstance(call, ReserveSequenceIds)
+            totals.update(call.counts())
+        next_value = {rid: int(ends[rid]) - total + 1 for rid, total in totals.items()}
+        out: list[Any] = []
+        for call in batch.calls:
+            assert isinstance(call, ReserveSequenceIds)
+            first_missing = _missing_in(call, missing)
+            if first_missing is not None:
+                out.append(ValueError(f"Rollout {first_missing} not found"))
+                continue
+            values = []
+            for rid, _aid in call.pairs:
+                values.append(next_value[rid])
+                next_value[rid] += 1
+            out.append(values)
+        return out
+
+    @staticmethod
+    def keys(batch: Batch) -> list[tuple[int, str, int]]:
+        """(call position from 1, rollout id, count) for every rollout of every call."""
+        out: list[Any] = []
+        for n, call in enumerate(batch.calls, 1):
+            assert isinstance(call, ReserveSequenceIds)
+            out.extend((n, rid, count) for rid, count in call.counts().items())
+        return out
 
 
-def _lock_rollouts(ctx: UnitContext, run_id: int, rollout_ids: Sequence[str]) -> dict[str, Any]:
-    """The rollout rows, locked in ``rollout_id`` order; raises for the first missing one."""
-    ids = sorted(set(rollout_ids))
-    stmt = cached(
-        ("span_lock_rollouts", ctx.dialect),
-        lambda: d.for_update(
-            ctx,
-            select(*_LOCKED_ROLLOUT_COLUMNS, R.c.attempt_count)
-            .where(R.c.run_id == bindparam("s_run_id"), R.c.rollout_id.in_(bindparam("s_ids", expanding=True)))
-            .order_by(R.c.rollout_id),
-        ),
-    )
-    rows = ctx.execute(stmt, {"s_run_id": run_id, "s_ids": ids}).all()
-    locked = {row.rollout_id: row for row in rows}
-    for rid in rollout_ids:
-        if rid not in locked:
-            raise ValueError(f"Rollout {rid} not found")
-    return locked
+def _missing_in(call: Any, missing: set[str]) -> str | None:
+    for rid, _aid in call.pairs:
+        if rid in missing:
+            return rid  # type: ignore[no-any-return]
+    return None
 
 
-def _set_span_seq(ctx: UnitContext, run_id: int, rollout_id: str, value: int) -> None:
-    stmt = cached("span_set_counter", lambda: _rollout_update().values(span_seq=bindparam("s_value")))
-    ctx.execute(stmt, {"s_run_id": run_id, "s_rollout_id": rollout_id, "s_value": value})
+RESERVE_KEYS: list[d.KeyColumn] = [("call", Integer()), ("rollout_id", Text()), ("count", Integer())]
 
 
-def _bump_counter() -> Any:
-    return _rollout_update().values(span_seq=R.c.span_seq + bindparam("s_count")).returning(R.c.span_seq)
+# --- span inserts -------------------------------------------------------------------------------
 
 
-def reserve_sequence_ids(ctx: UnitContext, run_id: int, pairs: Sequence[tuple[str, str]]) -> list[int]:
-    """Reserve one sequence id per (rollout, attempt) pair, handed out in input order.
+@dataclass(eq=False, slots=True)
+class AddSpans(Operation):
+    """Insert ``spans`` (their rows ``rows`` encoded by the caller), skipping duplicates.  With
+    ``allocate`` (one ``add_otel_span`` without sequence id) the span takes the next counter value
+    of its rollout, decided in the statement, so a failure consumes no number."""
 
-    Pairs of one rollout (the tracer's case) take ONE statement, atomic on its own (so PostgreSQL
-    may run this unit without a transaction: see ``SqlLightningStore.get_many_span_sequence_ids``);
-    several rollouts lock them all first, so that an unknown one changes nothing."""
-    if not pairs:
-        return []
-    counts = Counter(rid for rid, _aid in pairs)  # in order of first use
-    if len(counts) == 1:
-        ((rid, count),) = counts.items()
-        params = {"s_run_id": run_id, "s_rollout_id": rid, "s_count": count}
-        end = ctx.execute(cached("span_bump_counter", _bump_counter), params).scalar_one_or_none()
-        if end is None:
-            raise ValueError(f"Rollout {rid} not found")
-        return list(range(int(end) - count + 1, int(end) + 1))
-    locked = _lock_rollouts(ctx, run_id, list(counts))
-    next_value: dict[str, int] = {}
-    for rid in sorted(counts):
-        start = int(locked[rid].span_seq)
-        _set_span_seq(ctx, run_id, rid, start + counts[rid])
-        next_value[rid] = start + 1
+    name: ClassVar[str] = "add_spans"
+    run_id: int
+    now: float
+    spans: list[Span]
+    rows: list[dict[str, Any]]
+    allocate: bool = False
+
+    def batch_key(self) -> Hashable:
+        return (self.name, self.run_id, self.allocate)
+
+    def conflicts(self) -> tuple[Hashable, ...]:
+        # Two allocations of one rollout would both read the same counter.
+        return (("rollout", self.spans[0].rollout_id),) if self.allocate else ()
+
+    def groups(self) -> list[tuple[str, str]]:
+        """The call's (rollout, attempt) groups in first-seen order."""
+        return list(dict.fromkeys((span.rollout_id, span.attempt_id) for span in self.spans))
+
+    def error(self, found: dict[tuple[str, str], tuple[bool, bool]]) -> ValueError | None:
+        """The call's own error: its first missing rollout, then its first missing attempt (§2.9)."""
+        groups = self.groups()
+        for rid, aid in groups:
+            if not found[(rid, aid)][0]:
+                return ValueError(f"Rollout {rid} not found")
+        for rid, aid in groups:
+            if not found[(rid, aid)][1]:
+                return ValueError(f"Attempt {aid} not found for rollout {rid}")
+        return None
+
+    @classmethod
+    def outcomes(cls, batch: Batch, rows: Any) -> list[Any]:
+        result: SpanInsert = rows
+        out: list[Any] = []
+        owned: set[tuple[str, str, str]] = set()
+        for call in batch.calls:
+            assert isinstance(call, AddSpans)
+            error = call.error(result.found)
+            if error is not None:
+                out.append(error)
+                continue
+            inserted = []
+            for span in call.spans:
+                key = (span.rollout_id, span.attempt_id, span.span_id)
+                if key in owned or key not in result.inserted:
+                    _log_duplicate(span)
+                    continue
+                owned.add(key)
+                if call.allocate:
+                    span.sequence_id = int(result.inserted[key])
+                inserted.append(span)
+            order = {group: i for i, group in enumerate(call.groups())}
+            inserted.sort(key=lambda sp: order[(sp.rollout_id, sp.attempt_id)])  # group order, stable inside
+            out.append(inserted)
+        return out
+
+
+@dataclass
+class SpanInsert:
+    """What a dialect's span insert did: for every (rollout, attempt) group of the batch, whether
+    the rollout and the attempt exist; and the sequence id of every span key it inserted."""
+
+    found: dict[tuple[str, str], tuple[bool, bool]] = field(default_factory=dict)
+    inserted: dict[tuple[str, str, str], int] = field(default_factory=dict)
+
+
+def insert_rows(batch: Batch, bad_calls: set[int]) -> list[tuple[int, dict[str, Any]]]:
+    """The span rows to insert, with their call's position from 1: the first occurrence of each span
+    key among the calls that did not fail (a repeat is a duplicate, reported by ``outcomes``)."""
+    seen: set[tuple[str, str, str]] = set()
     out = []
-    for rid, _aid in pairs:
-        out.append(next_value[rid])
-        next_value[rid] += 1
+    for n, call in enumerate(batch.calls, 1):
+        assert isinstance(call, AddSpans)
+        if n in bad_calls:
+            continue
+        for span, row in zip(call.spans, call.rows, strict=True):
+            key = (span.rollout_id, span.attempt_id, span.span_id)
+            if key not in seen:
+                seen.add(key)
+                out.append((n, row))
     return out
 
 
-def add_spans(
-    ctx: UnitContext,
-    run_id: int,
-    now: float,
-    spans: Sequence[Span],
-    rows: Sequence[dict[str, Any]],
-    *,
-    allocate: bool = False,
-) -> list[Span]:
-    """Insert spans, skipping duplicates; heartbeat and promote per (rollout, attempt) group.
-
-    With ``allocate`` (a single ``add_otel_span`` without sequence id) the one span's sequence id is
-    reserved here, after validation, so a failure consumes no number.
-    """
-    if not spans:
-        return []
-    groups: dict[tuple[str, str], list[int]] = {}
-    for index, span in enumerate(spans):
-        groups.setdefault((span.rollout_id, span.attempt_id), []).append(index)
-    locked, attempt_rows = _lock_groups(ctx, run_id, list(groups))
-
-    if allocate:
-        (span,) = spans
-        seq = int(locked[span.rollout_id].span_seq) + 1
-        span.sequence_id = seq
-        rows = [dict(rows[0], sequence_id=seq)]
-
-    # Counters: span_seq = max(span_seq, largest sequence id of the batch) per rollout.
-    highest: dict[str, int] = {}
-    for span in spans:
-        highest[span.rollout_id] = max(highest.get(span.rollout_id, 0), span.sequence_id)
-    for rid in sorted(highest):
-        if highest[rid] > int(locked[rid].span_seq):
-            _set_span_seq(ctx, run_id, rid, highest[rid])
-
-    # Repeats inside the batch are duplicates too; keep the first.
-    unique_rows: list[dict[str, Any]] = []
-    unique_index: list[int] = []
-    seen: set[tuple[str, str, str]] = set()
-    for index, (span, row) in enumerate(zip(spans, rows, strict=True)):
-        key = (span.rollout_id, span.attempt_id, span.span_id)
-        if key in seen:
-            _log_duplicate(span)
-            continue
-        seen.add(key)
-        unique_rows.append(row)
-        unique_index.append(index)
-    inserted_keys = d.insert_new_spans(ctx, unique_rows)
-    inserted: list[Span] = []
-    touched: set[tuple[str, str]] = set()
-    for index in unique_index:
-        span = spans[index]
-        if (span.rollout_id, span.attempt_id, span.span_id) in inserted_keys:
-            inserted.append(span)
-            touched.add((span.rollout_id, span.attempt_id))
-        else:
-            _log_duplicate(span)
-
-    for rid, aid in sorted(touched):
-        _heartbeat(ctx, run_id, now, rid, aid, locked[rid], attempt_rows[(rid, aid)])
-    # Group order (first seen), input order inside a group.
-    order = {key: i for i, key in enumerate(groups)}
-    inserted.sort(key=lambda sp: order[(sp.rollout_id, sp.attempt_id)])
-    return inserted
+def group_keys(batch: Batch) -> list[tuple[int, str, str, int, float]]:
+    """(call position from 1, rollout id, attempt id, highest sequence id, the call's now) for every
+    (rollout, attempt) group of every call."""
+    out: list[Any] = []
+    for n, call in enumerate(batch.calls, 1):
+        assert isinstance(call, AddSpans)
+        highest: dict[tuple[str, str], int] = {}
+        for span in call.spans:
+            key = (span.rollout_id, span.attempt_id)
+            highest[key] = max(highest.get(key, 0), span.sequence_id)
+        out.extend((n, rid, aid, seq, call.now) for (rid, aid), seq in highest.items())
+    return out
 
 
-def _lock_groups(
-    ctx: UnitContext, run_id: int, groups: list[tuple[str, str]]
-) -> tuple[dict[str, Any], dict[tuple[str, str], Any]]:
-    """The rollout rows, then the attempt rows, of the (rollout, attempt) groups, locked in that
-    order; raises for the first missing rollout, then for the first missing attempt."""
-    if len(groups) == 1:  # the rollout and its attempt in one statement
-        ((rid, aid),) = groups
-        rollout_row, attempt_row = d.lock_rollout_and_attempt(ctx, run_id, rid, aid, _LOCKED_ROLLOUT_COLUMNS)
-        if rollout_row is None:
-            raise ValueError(f"Rollout {rid} not found")
-        if attempt_row is None:
-            raise ValueError(f"Attempt {aid} not found for rollout {rid}")
-        return {rid: rollout_row}, {(rid, aid): attempt_row}
-    locked = _lock_rollouts(ctx, run_id, [rid for rid, _ in groups])
-    attempt_rows = {(r.rollout_id, r.attempt_id): r for r in _lock_attempts(ctx, run_id, sorted(groups))}
-    for rid, aid in groups:
-        if (rid, aid) not in attempt_rows:
-            raise ValueError(f"Attempt {aid} not found for rollout {rid}")
-    return locked, attempt_rows
+GROUP_KEYS: list[d.KeyColumn] = [
+    ("call", Integer()),
+    ("rollout_id", Text()),
+    ("attempt_id", Text()),
+    ("highest", Integer()),
+    ("now", Float(precision=53)),
+]
+# The touched groups of a batch: (rollout, attempt, its call's now), and the rollouts' new counters.
+TOUCHED_KEYS: list[d.KeyColumn] = [("rollout_id", Text()), ("attempt_id", Text()), ("now", Float(precision=53))]
+# Per rollout of the batch: its highest sequence id, and the highest sequence id of its attempts that
+# inserted a span (0: none).
+COUNTER_KEYS: list[d.KeyColumn] = [("rollout_id", Text()), ("highest", Integer()), ("touched_seq", Integer())]
+
+
+def heartbeat(dialect: str, touched: Any) -> Any:
+    """The UPDATE giving each touched attempt its heartbeat: ``last_heartbeat_time`` = its call's now,
+    preparing or unresponsive -> running; only those two columns (a concurrent update of the
+    attempt's metadata or worker must survive)."""
+    running = case((f.one_of(A.c.status, ("preparing", "unresponsive")), "running"), else_=A.c.status)
+    return d.keyed_update(
+        dialect, A, touched, ("rollout_id", "attempt_id"), lambda key: {"last_heartbeat_time": key("now"), "status": running}
+    )
+
+
+def counters(dialect: str, new: Any) -> Any:
+    """The UPDATE of each rollout named in ``new``: counter = max(counter, highest); and when a span
+    of its latest attempt was inserted and it is preparing, queuing or requeuing, its promotion to
+    running, out of the queue (§2.8)."""
+
+    def values(key: Any) -> dict[str, Any]:
+        promote = (R.c.attempt_count == key("touched_seq")) & f.one_of(R.c.status, ("preparing", *QUEUED_STATUSES))
+        return {
+            "span_seq": d.greatest(dialect, R.c.span_seq, key("highest")),
+            "status": case((promote, "running"), else_=R.c.status),
+            "queue_seq": case((promote, None), else_=R.c.queue_seq),
+        }
+
+    return d.keyed_update(dialect, R, new, ("rollout_id",), values)
 
 
 def _log_duplicate(span: Span) -> None:
@@ -190,41 +251,6 @@ def _log_duplicate(span: Span) -> None:
         span.attempt_id,
         span.span_id,
     )
-
-
-def _lock_attempts(ctx: UnitContext, run_id: int, pairs: list[tuple[str, str]]) -> list[Any]:
-    """The attempt rows of several (rollout, attempt) pairs, locked in key order (one pair takes
-    ``dialect.lock_rollout_and_attempt`` with its rollout instead)."""
-    return list(
-        ctx.execute(
-            d.for_update(
-                ctx,
-                select(*_LOCKED_ATTEMPT_COLUMNS)
-                .where(A.c.run_id == run_id, tuple_(A.c.rollout_id, A.c.attempt_id).in_(pairs))
-                .order_by(A.c.rollout_id, A.c.attempt_id),
-            )
-        )
-    )
-
-
-def _heartbeat(ctx: UnitContext, run_id: int, now: float, rid: str, aid: str, rollout: Any, attempt: Any) -> None:
-    beat = cached(
-        "span_heartbeat",
-        lambda: update(A)
-        .where(
-            A.c.run_id == bindparam("s_run_id"),
-            A.c.rollout_id == bindparam("s_rollout_id"),
-            A.c.attempt_id == bindparam("s_attempt_id"),
-        )
-        .values(
-            last_heartbeat_time=bindparam("s_now"),
-            status=case((A.c.status.in_(("preparing", "unresponsive")), "running"), else_=A.c.status),
-        ),
-    )
-    ctx.execute(beat, {"s_run_id": run_id, "s_rollout_id": rid, "s_attempt_id": aid, "s_now": now})
-    if attempt.sequence_id == rollout.attempt_count and rollout.status in ("preparing", *QUEUED_STATUSES):
-        promote = cached("span_promote", lambda: _rollout_update().values(status="running", queue_seq=None))
-        ctx.execute(promote, {"s_run_id": run_id, "s_rollout_id": rid})
 
 
 # --- reads --------------------------------------------------------------------------------------
@@ -248,92 +274,131 @@ def _limit(field: str) -> int | None:
     return None if field == "name" else MAX_ID_BYTES
 
 
-def _span_query(ctx: UnitContext, shape: tuple[Any, ...]) -> tuple[Any, Any]:
-    """(page statement, count statement) for one query shape, with ``q_*`` placeholders."""
+@dataclass(eq=False, slots=True)
+class ReadSpans(Operation):
+    """One ``query_spans`` call.  Calls of one query shape (which filters are present, the attempt
+    mode, the sort) read together in one statement over the batch's keys; a call with a limit or an
+    offset reads alone (its page and count are its own)."""
+
+    name: ClassVar[str] = "query_spans"
+    write: ClassVar[bool] = False
+    run_id: int
+    rollout_id: str
+    attempt_id: str | None
+    exact: dict[str, str | None]
+    contains: dict[str, str | None]
+    filter_logic: str
+    limit: int
+    offset: int
+    sort_by: str | None
+    sort_order: str
+    shape: tuple[Any, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.attempt_id is None or self.attempt_id == "latest":
+            attempt_mode: Any = self.attempt_id
+        else:
+            attempt_mode = bool(_shape(self.attempt_id))
+        self.shape = (
+            bool(_shape(self.rollout_id)),
+            attempt_mode,
+            tuple(_shape(self.exact[name], max_bytes=_limit(name)) for name in SPAN_FILTER_FIELDS),
+            tuple(_shape(self.contains[name], max_bytes=_limit(name)) for name in SPAN_FILTER_FIELDS),
+            self.filter_logic,
+            self.sort_by,
+            self.sort_order,
+            self.limit != -1,
+            self.offset != 0,
+        )
+
+    def batch_key(self) -> Hashable:
+        # A page reads alone: its LIMIT, OFFSET and count belong to it.
+        return (self.name, self.run_id, self.shape, id(self) if self.paged else 0)
+
+    @property
+    def paged(self) -> bool:
+        return self.limit != -1 or self.offset != 0
+
+    def key_row(self) -> tuple[Any, ...]:
+        """This call's row of the batch's keys (``read_keys``)."""
+        rid_ok, attempt_mode, exact, contains = self.shape[:4]
+        row: list[Any] = [self.rollout_id if rid_ok else "", self.attempt_id if attempt_mode is True else ""]
+        row.extend(self.exact[name] if ok else "" for name, ok in zip(SPAN_FILTER_FIELDS, exact, strict=True))
+        row.extend(self.contains[name] if ok else "" for name, ok in zip(SPAN_FILTER_FIELDS, contains, strict=True))
+        return tuple(row)
+
+    @classmethod
+    def outcomes(cls, batch: Batch, rows: Any) -> list[Any]:
+        page_rows, total = rows
+        by_call: dict[int, list[Span]] = {}
+        for row in page_rows:
+            by_call.setdefault(row["n"], []).append(span_from_row(row))
+        out: list[Any] = []
+        for n, call in enumerate(batch.calls, 1):
+            assert isinstance(call, ReadSpans)
+            items = by_call.get(n, [])
+            count = len(items) if total is None else total
+            out.append(PaginatedResult(items=items, limit=call.limit, offset=call.offset, total=count))
+        return out
+
+
+READ_KEYS: list[d.KeyColumn] = [
+    ("rollout_id", Text()),
+    ("attempt_id", Text()),
+    *((name, Text()) for name in SPAN_FILTER_FIELDS),
+    *((f"{name}_contains", Text()) for name in SPAN_FILTER_FIELDS),
+]
+
+
+def read_statements(dialect: str, shape: tuple[Any, ...], single: bool) -> tuple[Any, Any]:
+    """(page, count) of one query shape over the batch's keys (``keys_source(dialect, "q",
+    READ_KEYS, single=single)``; ``single``: a batch of one call): the page's rows carry ``n``,
+    their call's position; ``run_id``, and for a paged shape ``q_limit``/``q_offset``, are its
+    other parameters."""
     rid_ok, attempt_mode, exact, contains, logic, sort_by, sort_order, has_limit, has_offset = shape
-    run_id: Any = bindparam("q_run_id")
-    rollout_id: Any = bindparam("q_rollout_id")
-    must = [S.c.run_id == run_id, S.c.rollout_id == rollout_id if rid_ok else f.false()]
+    keys = d.keys_source(dialect, "q", READ_KEYS, single=single)
+    run_id: Any = keys.c.run_id
+    must = [S.c.run_id == run_id, S.c.rollout_id == keys.c.rollout_id if rid_ok else f.false()]
     if attempt_mode == "latest":
         latest = (
             select(A.c.attempt_id)
-            .where(A.c.run_id == run_id, A.c.rollout_id == rollout_id)
+            .where(A.c.run_id == run_id, A.c.rollout_id == keys.c.rollout_id)
             .order_by(A.c.sequence_id.desc())
             .limit(1)
             .scalar_subquery()
         )
         must.append(S.c.attempt_id == latest)
     elif attempt_mode is not None:
-        must.append(S.c.attempt_id == bindparam("q_attempt_id") if attempt_mode else f.false())
+        must.append(S.c.attempt_id == keys.c.attempt_id if attempt_mode else f.false())
     conditions = []
     for name, ok in zip(SPAN_FILTER_FIELDS, exact, strict=True):
         if ok is not None:
-            conditions.append(S.c[name] == bindparam(f"q_{name}") if ok else f.false())
+            conditions.append(S.c[name] == keys.c[name] if ok else f.false())
     for name, ok in zip(SPAN_FILTER_FIELDS, contains, strict=True):
         if ok is not None:
-            conditions.append(d.contains(ctx, S.c[name], bindparam(f"q_{name}_contains")) if ok else f.false())
+            conditions.append(d.contains(dialect, S.c[name], keys.c[f"{name}_contains"]) if ok else f.false())
     where = [*must, f.pool(conditions, logic)]
     order = f.order_by(f.SPAN_SORT, sort_by, sort_order)
-    columns = [c for c in S.c if c.name != "run_id"]
-    if has_offset and ctx.dialect == "postgresql":
-        # PostgreSQL computes the output columns (JSONB as text, out-of-line values fetched) of every
-        # row an OFFSET skips: the page's ids come first, from the spans' index, then only its rows.
-        # SQLite skips a row before reading its columns.
-        ids = select(S.c.id).where(*where).order_by(*order).offset(bindparam("q_offset")).correlate(None)
-        if has_limit:
-            ids = ids.limit(bindparam("q_limit"))
-        page = select(*columns).where(S.c.id.in_(ids)).order_by(*order)
+    joined = S if single else keys.join(S, S.c.run_id == run_id)
+    if has_limit or has_offset:
+        page = d.span_page(dialect, joined, where, order, has_limit=has_limit, has_offset=has_offset)
     else:
-        page = select(*columns).where(*where).order_by(*order)
-        if has_limit:
-            page = page.limit(bindparam("q_limit"))
-        if has_offset:
-            page = page.offset(bindparam("q_offset"))
-    count = select(func.count()).select_from(S).where(*where)
+        page = select(keys.c.n.label("n"), *SPAN_COLUMNS).select_from(joined).where(*where)
+        page = page.order_by(*order) if single else page.order_by(keys.c.n, *order)
+    count = select(func.count().label("total")).select_from(joined).where(*where)
     return page, count
 
 
-def query_spans(
-    ctx: UnitContext,
-    run_id: int,
-    rollout_id: str,
-    attempt_id: str | None,
-    exact: dict[str, str | None],
-    contains: dict[str, str | None],
-    filter_logic: str,
-    limit: int,
-    offset: int,
-    sort_by: str | None,
-    sort_order: str,
-) -> PaginatedResult[Span]:
-    """One page of a rollout's spans and the number of matches, through a statement prebuilt per
-    query shape (which filters are present, attempt mode, sort, pagination)."""
-    if attempt_id is None or attempt_id == "latest":
-        attempt_mode: Any = attempt_id
-    else:
-        attempt_mode = bool(_shape(attempt_id))
-    exact_shape = tuple(_shape(exact[name], max_bytes=_limit(name)) for name in SPAN_FILTER_FIELDS)
-    contains_shape = tuple(_shape(contains[name], max_bytes=_limit(name)) for name in SPAN_FILTER_FIELDS)
-    shape = (
-        bool(_shape(rollout_id)),
-        attempt_mode,
-        exact_shape,
-        contains_shape,
-        filter_logic,
-        sort_by,
-        sort_order,
-        limit != -1,
-        offset != 0,
-    )
-    page, count = cached(("query_spans", ctx.dialect, shape), lambda: _span_query(ctx, shape))
-    params: dict[str, Any] = {"q_run_id": run_id, "q_rollout_id": rollout_id}
-    if attempt_mode is True:
-        params["q_attempt_id"] = attempt_id
-    for name, ok in zip(SPAN_FILTER_FIELDS, exact_shape, strict=True):
-        if ok:
-            params[f"q_{name}"] = exact[name]
-    for name, ok in zip(SPAN_FILTER_FIELDS, contains_shape, strict=True):
-        if ok:
-            params[f"q_{name}_contains"] = contains[name]
-    rows, total = f.fetch_page(ctx, page, count, params, limit, offset)
-    return PaginatedResult(items=[span_from_row(r) for r in rows], limit=limit, offset=offset, total=total)
+def read_params(dialect: str, batch: Batch) -> tuple[dict[str, Any], tuple[Any, ...], bool]:
+    """The parameters of a read batch, its statements' key (``read_statements``), and whether it
+    must count its total (a page cannot tell it)."""
+    head = batch.calls[0]
+    assert isinstance(head, ReadSpans)
+    single = len(batch.calls) == 1
+    rows = [call.key_row() for call in batch.calls]  # type: ignore[attr-defined]
+    params: dict[str, Any] = {"run_id": head.run_id, **d.keys_params(dialect, "q", READ_KEYS, rows, single=single)}
+    if head.limit != -1:
+        params["q_limit"] = head.limit
+    if head.offset != 0:
+        params["q_offset"] = head.offset
+    return params, (head.shape, single), head.paged

@@ -13,29 +13,32 @@ import asyncio
 import logging
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal, TypeVar
 
 from opentelemetry.sdk.trace import ReadableSpan
 
 from lightning_sql.store.base import LightningStore
-from lightning_sql.store.sql import attempts, claims, validation
+from lightning_sql.store.sql import attempts, validation
 from lightning_sql.store.sql import dialect as d
 from lightning_sql.store.sql import filters as f
 from lightning_sql.store.sql import resources as res_units
 from lightning_sql.store.sql import rollouts as ro
 from lightning_sql.store.sql import runs as run_units
 from lightning_sql.store.sql import schema as s
-from lightning_sql.store.sql import spans as span_units
 from lightning_sql.store.sql import workers as worker_units
+from lightning_sql.store.sql.attempts import UpdateAttempt
+from lightning_sql.store.sql.claims import Claim
 from lightning_sql.store.sql.executor import UnitContext
 from lightning_sql.store.sql.instance import StoreInstance
+from lightning_sql.store.sql.rollouts import ReadRollout
 from lightning_sql.store.sql.rows import (
     attempt_from_row,
     encoded,
     resources_from_row,
     span_values,
 )
+from lightning_sql.store.sql.spans import AddSpans, ReadSpans, ReserveSequenceIds
 from lightning_sql.types import (
     UNSET,
     Attempt,
@@ -150,8 +153,8 @@ class SqlLightningStore(StoreInstance, LightningStore):
             # Nothing to claim and no worker to mark idle: only the [sweeps] part of the call remains.
             await self._sweep_only()
             return []
-        return await self._call(
-            method, lambda ctx, run_id, now: claims.claim(ctx, run_id, now, attempt_ids, worker_id), write=True, sweeps=True
+        return await self._call_op(  # type: ignore[no-any-return]
+            method, lambda run_id, now: Claim(run_id, attempt_ids, worker_id, now), write=True, sweeps=True
         )
 
     async def start_attempt(self, rollout_id: str, worker_id: str | None = None) -> AttemptedRollout:
@@ -201,9 +204,9 @@ class SqlLightningStore(StoreInstance, LightningStore):
         self._check_writable("update_attempt")
         changes = validation.attempt_changes(status, worker_id, last_heartbeat_time, metadata)
         self._check_ids_for_attempt(rollout_id, attempt_id)
-        return await self._call(
+        return await self._call_op(  # type: ignore[no-any-return]
             "update_attempt",
-            lambda ctx, run_id, now: attempts.update_attempt(ctx, run_id, now, rollout_id, attempt_id, changes),
+            lambda run_id, now: UpdateAttempt(run_id, rollout_id, attempt_id, changes, now),
             write=True,
             sweeps=True,
         )
@@ -219,9 +222,9 @@ class SqlLightningStore(StoreInstance, LightningStore):
         """A runner's heartbeat for one attempt, stamped with the store clock (no status change)."""
         self._check_writable("touch_attempt")
         self._check_ids_for_attempt(rollout_id, attempt_id)
-        return await self._call(
+        return await self._call_op(  # type: ignore[no-any-return]
             "touch_attempt",
-            lambda ctx, run_id, now: attempts.touch_attempt(ctx, run_id, now, rollout_id, attempt_id),
+            lambda run_id, now: UpdateAttempt(run_id, rollout_id, attempt_id, {"last_heartbeat_time": now}, now),
             write=True,
         )
 
@@ -275,20 +278,16 @@ class SqlLightningStore(StoreInstance, LightningStore):
         return await self._call("query_rollouts", unit, write=False, sweeps=True)
 
     async def get_rollout_by_id(self, rollout_id: str) -> Rollout | AttemptedRollout | None:
-        return await self._read_of_rollout("get_rollout_by_id", ro.get_rollout, rollout_id)
+        return await self._read_of_rollout("get_rollout_by_id", rollout_id, attempt_only=False)  # type: ignore[no-any-return]
 
-    async def _read_of_rollout(
-        self, method: str, read: Callable[[UnitContext, int, str], T], rollout_id: str
-    ) -> T | None:
+    async def _read_of_rollout(self, method: str, rollout_id: str, *, attempt_only: bool) -> Any:
         """A read of one rollout by id; an id that cannot be stored matches nothing (no I/O but the sweep)."""
         if not is_storable_text(rollout_id):
             await self._sweep_only()
             return None
-
-        def unit(ctx: UnitContext, run_id: int, now: float) -> T:
-            return read(ctx, run_id, rollout_id)
-
-        return await self._call(method, unit, write=False, sweeps=True)
+        return await self._call_op(
+            method, lambda run_id, now: ReadRollout(run_id, rollout_id, attempt_only), write=False, sweeps=True
+        )
 
     async def query_attempts(
         self,
@@ -312,7 +311,7 @@ class SqlLightningStore(StoreInstance, LightningStore):
         return await self._call("query_attempts", unit, write=False, sweeps=True)
 
     async def get_latest_attempt(self, rollout_id: str) -> Attempt | None:
-        return await self._read_of_rollout("get_latest_attempt", ro.get_latest_attempt, rollout_id)
+        return await self._read_of_rollout("get_latest_attempt", rollout_id, attempt_only=True)  # type: ignore[no-any-return]
 
     # --- waits ----------------------------------------------------------------------------------
 
@@ -410,13 +409,9 @@ class SqlLightningStore(StoreInstance, LightningStore):
         # Validate and encode before any I/O (bad input writes nothing and needs no database), on the
         # caller's thread: the I/O thread only stamps the run id.
         rows = [span_values(span, 0) for span in spans]
-        def unit(ctx: UnitContext, run_id: int, now: float) -> list[Span]:
-            if rows[0]["run_id"] != run_id:
-                for row in rows:
-                    row["run_id"] = run_id
-            return span_units.add_spans(ctx, run_id, now, spans, rows, allocate=allocate)
-
-        return await self._call(method, unit, write=True)
+        return await self._call_op(  # type: ignore[no-any-return]
+            method, lambda run_id, now: AddSpans(run_id, now, spans, rows, allocate), write=True
+        )
 
     async def add_otel_span(
         self,
@@ -456,10 +451,8 @@ class SqlLightningStore(StoreInstance, LightningStore):
         for rid, _aid in pairs:
             if not is_storable_text(rid):
                 raise ValueError(f"Rollout {rid} not found")
-        return await self._call(
-            "get_many_span_sequence_ids",
-            lambda ctx, run_id, now: span_units.reserve_sequence_ids(ctx, run_id, pairs),
-            write=True,
+        return await self._call_op(  # type: ignore[no-any-return]
+            "get_many_span_sequence_ids", lambda run_id, now: ReserveSequenceIds(run_id, pairs), write=True
         )
 
     async def query_spans(
@@ -491,12 +484,12 @@ class SqlLightningStore(StoreInstance, LightningStore):
             if value is not None and not isinstance(value, str):
                 raise TypeError(f"{label} must be a str or None, got a value of type {type(value).__name__}")
 
-        def unit(ctx: UnitContext, run_id: int, now: float) -> PaginatedResult[Span]:
-            return span_units.query_spans(
-                ctx, run_id, rollout_id, attempt_id, exact, contains, filter_logic, limit, offset, sort_by, sort_order
+        def read(run_id: int, now: float) -> ReadSpans:
+            return ReadSpans(
+                run_id, rollout_id, attempt_id, exact, contains, filter_logic, limit, offset, sort_by, sort_order
             )
 
-        return await self._call("query_spans", unit, write=False, sweeps=True)
+        return await self._call_op("query_spans", read, write=False, sweeps=True)  # type: ignore[no-any-return]
 
     # --- resources ------------------------------------------------------------------------------
 

@@ -67,8 +67,7 @@ def expire_leases(ctx: UnitContext, run_id: int | None, now: float) -> int:
         )
         .where(*where)
     )
-    if ctx.dialect == "postgresql":
-        stmt = stmt.with_for_update(of=R, skip_locked=True)
+    stmt = d.for_update(ctx, stmt, skip_locked=True, of=R)
     # Sorted here, not by the statement: an ORDER BY on the primary key lets the planner walk the run
     # in key order and filter on the status, reading every rollout of the run per sweep, where the
     # (run_id, status) index reads only the ones in flight (ADR 0007; SKIP LOCKED never waits, so the

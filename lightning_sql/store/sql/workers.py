@@ -94,7 +94,7 @@ def sync_worker(
     claim: bool,
 ) -> d.Write:
     """Making the worker row follow an attempt it runs (writes only the listed fields; an upsert): run
-    it with ``.execute(ctx)``, or with other writes (``dialect.run_writes``)."""
+    it with ``.execute(ctx)``."""
     values = worker_following(now, attempt_status, rollout_id, attempt_id, claim=claim)
     return write_worker(ctx, run_id, worker_id, values)
 
@@ -123,6 +123,57 @@ def write_worker(ctx: UnitContext, run_id: int, worker_id: str, values: dict[str
     ``prefix`` names its parameters apart from those of other writes in the same statement).
     Successive writes of one worker are one write of their merged values, later ones winning."""
     return _upsert(ctx, run_id, worker_id, values, _take(*values), prefix)
+
+
+# --- the worker rows of a batch ------------------------------------------------------------------
+
+# What a batch writes into its workers' rows, one statement for every row of the batch:
+# * ``claimed`` (a claim): busy on the call's last claim, or idle when it claimed nothing (§2.4);
+# * ``follow`` (an attempt update): the columns of ``worker_following`` for the attempt's status.
+WORKER_WRITE_COLUMNS = ("status", "last_busy_time", "last_idle_time", "last_dequeue_time", "current_rollout_id", "current_attempt_id")
+
+
+def _busy(excluded: Any) -> Any:
+    return excluded.status == "busy"
+
+
+_CLAIMED_SET = {
+    "status": lambda ex: ex.status,
+    "last_dequeue_time": lambda ex: ex.last_dequeue_time,
+    "last_busy_time": lambda ex: case((_busy(ex), ex.last_busy_time), else_=W.c.last_busy_time),
+    # An already idle worker keeps its last_idle_time (docs/store-contract.md §2.4).
+    "last_idle_time": lambda ex: case((_busy(ex) | (W.c.status == "idle"), W.c.last_idle_time), else_=ex.last_idle_time),
+    "current_rollout_id": lambda ex: case((_busy(ex), ex.current_rollout_id), else_=W.c.current_rollout_id),
+    "current_attempt_id": lambda ex: case((_busy(ex), ex.current_attempt_id), else_=W.c.current_attempt_id),
+}
+_FOLLOW_SET = {
+    "status": lambda ex: ex.status,
+    "last_busy_time": lambda ex: case((_busy(ex), ex.last_busy_time), else_=W.c.last_busy_time),
+    "last_idle_time": lambda ex: case((_busy(ex), W.c.last_idle_time), else_=ex.last_idle_time),
+    "current_rollout_id": lambda ex: ex.current_rollout_id,
+    "current_attempt_id": lambda ex: ex.current_attempt_id,
+}
+
+
+def batch_worker_upsert(dialect: str, kind: str, source: Any | None) -> Any:
+    """The upsert of a batch's worker rows (``kind``: ``claimed`` or ``follow``, see above): from the
+    select ``source`` (columns ``run_id``, ``worker_id`` and ``WORKER_WRITE_COLUMNS``), or with
+    ``source=None`` from ``w_*`` placeholders, one row per execution (SQLite's ``executemany``: a
+    new worker's ``create_seq`` is read per row)."""
+    sets = _CLAIMED_SET if kind == "claimed" else _FOLLOW_SET
+    columns = ("run_id", "worker_id", *WORKER_WRITE_COLUMNS)
+    if source is None:
+        run_id: Any = bindparam("w_run_id")
+        stmt = d.insert(dialect, W).values(
+            {**{col: bindparam(f"w_{col}") for col in columns}, "create_seq": d.next_create_seq(dialect, W, run_id)}
+        )
+    else:
+        with_seq = source.add_columns(d.next_create_seq(dialect, W, None).label("create_seq"))
+        stmt = d.insert(dialect, W).from_select([*columns, "create_seq"], with_seq)
+    excluded = stmt.excluded
+    return stmt.on_conflict_do_update(
+        index_elements=[W.c.run_id, W.c.worker_id], set_={col: how(excluded) for col, how in sets.items()}
+    )
 
 
 def update_worker(
