@@ -190,6 +190,7 @@ def test_an_unexpected_error_is_a_json_500_without_traceback(
     server_factory: Callable[..., RunningServer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     server = server_factory()
+    assert httpx.post(server.url + ENQUEUE, json={"rollouts": [{"input": 1}]}, timeout=30).status_code == 201
 
     async def broken(self: SqlLightningStore) -> None:
         raise RuntimeError("a bug in the server")
