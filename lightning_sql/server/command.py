@@ -60,6 +60,13 @@ def _is_loopback(host: str) -> bool:
 )
 @click.option("--cors-origin", "cors_origins", multiple=True, help="Allow this browser origin (repeatable); none by default.")
 @click.option(
+    "--allowed-host",
+    "allowed_hosts",
+    multiple=True,
+    help="Also answer requests whose Host header names this (repeatable; '*' for any); loopback and "
+    "the bound address always.",
+)
+@click.option(
     "--connect-timeout",
     type=click.FloatRange(min=0, min_open=True),
     default=DEFAULT_CONNECT_TIMEOUT_S,
@@ -82,6 +89,7 @@ def serve(
     read_only: bool,
     max_body_mb: float,
     cors_origins: tuple[str, ...],
+    allowed_hosts: tuple[str, ...],
     connect_timeout: float,
     log_level: str,
 ) -> None:
@@ -101,7 +109,8 @@ def serve(
             token=token or None,
             read_only=read_only,
             max_body_bytes=int(max_body_mb * 2**20),
-            cors_origins=cors_origins,
+            cors_origins=tuple(o.strip() for o in cors_origins),
+            allowed_hosts=tuple(h.strip() for h in allowed_hosts),
             connect_timeout=connect_timeout,
         )
         app = create_app(config)
