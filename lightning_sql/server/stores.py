@@ -23,6 +23,17 @@ logger = logging.getLogger(__name__)
 MAX_RUNS = 256
 
 
+def _check_existing_sqlite(url: str) -> None:
+    """A read-only server never creates anything: not even the file of a SQLite URL."""
+    from pathlib import Path
+
+    from lightning_sql.store.sql.urls import normalise_url
+
+    target = normalise_url(url)
+    if target.dialect == "sqlite" and target.path is not None and not Path(target.path).is_file():
+        raise ValueError(f"no SQLite database at {target.path}: --read-only serves an existing database and creates none")
+
+
 class TooManyRunsError(ValueError):
     """A request named a run beyond ``MAX_RUNS`` distinct runs of this process."""
 
@@ -31,6 +42,8 @@ class StorePool:
     """Stores by run name for one database (read-only ones under ``read_only``)."""
 
     def __init__(self, config: ServerConfig) -> None:
+        if config.read_only:
+            _check_existing_sqlite(config.url)
         self.config = config
         self._stores: dict[str, SqlLightningStore] = {}
         self._existing: set[str] = set()

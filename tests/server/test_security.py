@@ -4,8 +4,10 @@ errors with a message instead of tracebacks."""
 
 from __future__ import annotations
 
+import sqlite3
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from urllib.parse import unquote
 
 import httpx
@@ -205,3 +207,58 @@ def test_an_unexpected_error_is_a_json_500_without_traceback(
 def test_binds_loopback_by_default() -> None:
     config = ServerConfig(url="sqlite://")
     assert config.host == "127.0.0.1" and config.token is None and config.cors_origins == () and not config.read_only
+
+
+async def _pg_schema_exists(schema: str) -> bool:
+    import asyncpg
+
+    conn = await asyncpg.connect(PG_URL.replace("postgresql://", "postgres://", 1), timeout=10)
+    try:
+        return bool(await conn.fetchval("SELECT count(*) FROM pg_namespace WHERE nspname = $1", schema))
+    finally:
+        await conn.close()
+
+
+def _browse(server: RunningServer) -> None:
+    """What a read-only server answers to: every page, probe and scrape (none may write)."""
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        for path in ["/healthz", "/metrics", "/", "/runs/1", "/runs/1/rollouts", "/v1/agl/statistics"]:
+            assert http.get(path).status_code in (200, 403, 404, 503), path  # 503: no schema to read
+        assert http.post(ENQUEUE, json={"rollouts": [{"input": 1}]}).status_code == 403
+
+
+async def test_a_read_only_server_creates_migrates_and_sweeps_nothing(
+    server_factory: Callable[..., RunningServer], mp_backend: BackendSpec, tmp_path: Path
+) -> None:
+    from lightning_sql import RolloutConfig
+
+    # An empty database: no schema may appear.
+    if mp_backend.is_postgres:
+        assert mp_backend.schema is not None and not await _pg_schema_exists(mp_backend.schema)
+    else:
+        sqlite3.connect(mp_backend.url.removeprefix("sqlite:///")).close()
+    _browse(server_factory(read_only=True, run="missing"))
+    if mp_backend.is_postgres:
+        assert not await _pg_schema_exists(str(mp_backend.schema))
+    else:
+        with sqlite3.connect(mp_backend.url.removeprefix("sqlite:///")) as conn:
+            assert conn.execute("SELECT count(*) FROM sqlite_master").fetchone() == (0,)
+
+    # A run whose lease expired long ago, and a --run that does not exist: nothing changes.
+    writer = SqlLightningStore(mp_backend.url, **mp_backend.options(run=RUN, clock=lambda: 1_000_000.0, clock_sync=False))
+    try:
+        await writer.enqueue_rollout({"task": 1}, config=RolloutConfig(unresponsive_seconds=1.0))
+        claimed = await writer.dequeue_rollout(worker_id="w")
+        assert claimed is not None
+    finally:
+        await writer.close()
+    _browse(server_factory(read_only=True, run="missing"))
+    _browse(server_factory(read_only=True, run=RUN))
+    check = SqlLightningStore(mp_backend.url, **mp_backend.options(run=RUN, read_only=True, create_run=False))
+    try:
+        assert [r.name for r in await check.list_runs()] == [RUN]
+        attempts = list(await check.query_attempts(claimed.rollout_id))
+        assert [(a.status, a.end_time) for a in attempts] == [("preparing", None)]
+        assert (await check.get_rollout_by_id(claimed.rollout_id)).status == "preparing"  # type: ignore[union-attr]
+    finally:
+        await check.close()
