@@ -16,6 +16,7 @@ from lightning_sql.llm_proxy.testing import StandInModelServer, reply, tokenize
 from tests.conftest import BackendSpec
 from tests.llm_proxy.agents import TripletCollector, adder
 from tests.llm_proxy.conftest import MODEL, model_entry
+from tests.required import AGENTLIGHTNING, required_import
 from tests.runtime.agents import sync_agent
 
 TASKS = [{"a": a, "b": b, "stream": a % 2 == 0} for a, b in [(1, 2), (2, 5), (3, 3), (10, 7), (4, 4), (6, 1)]]
@@ -71,7 +72,7 @@ def test_agentlightning_adapter_turns_the_same_spans_into_triplets(
     tmp_path: Path, stand_in: StandInModelServer
 ) -> None:
     """Agent-Lightning's own TracerTraceToTriplet, reading through the bridge, sees the token ids and rewards."""
-    agl = pytest.importorskip("agentlightning")
+    agl = required_import("agentlightning", AGENTLIGHTNING)
     from lightning_sql.contrib.agentlightning import AgentLightningSqlStore
 
     url = f"sqlite:///{tmp_path / 'agl.db'}"
@@ -82,6 +83,7 @@ def test_agentlightning_adapter_turns_the_same_spans_into_triplets(
 
     async def check() -> None:
         bridge = AgentLightningSqlStore(url, run="agl")
+        assert len(algorithm.triplets) == 4  # one per task: a loop over none would prove nothing
         for rollout_id, ours in algorithm.triplets.items():
             spans = list(await bridge.query_spans(rollout_id, "latest"))
             theirs = agl.TracerTraceToTriplet().adapt(spans)
@@ -186,7 +188,7 @@ def test_code_written_for_agentlightning_runs_with_the_bridge_store(
     tmp_path: Path, stand_in: StandInModelServer
 ) -> None:
     """Agent-Lightning-style code: its store (the bridge), a claimed rollout, the openai SDK, its adapter."""
-    agl = pytest.importorskip("agentlightning")
+    agl = required_import("agentlightning", AGENTLIGHTNING)
     from openai import AsyncOpenAI
 
     from lightning_sql.contrib.agentlightning import AgentLightningSqlStore

@@ -13,9 +13,10 @@ import httpx
 import pytest
 
 from lightning_sql import SqlLightningStore
+from tests.required import SERVER, required_import
 from tests.server.conftest import RunningServer
 
-pytest.importorskip("opentelemetry.exporter.otlp.proto.http")
+required_import("opentelemetry.exporter.otlp.proto.http", SERVER)
 
 from google.rpc.status_pb2 import Status  # noqa: E402
 from opentelemetry.exporter.otlp.proto.http import Compression  # noqa: E402
