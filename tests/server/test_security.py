@@ -159,7 +159,7 @@ def test_no_cors_unless_configured(server_factory: Callable[..., RunningServer])
         answer = http.options(ENQUEUE, headers=preflight)
         assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == "http://ui.example"
         other = http.options(ENQUEUE, headers={**preflight, "Origin": "http://evil.example"})
-        assert other.headers.get("access-control-allow-origin") != "http://evil.example"
+        assert "access-control-allow-origin" not in other.headers  # neither the origin nor "*"
         assert http.get("/v1/agl/health", headers={**origin, **BEARER}).headers["access-control-allow-origin"] == (
             "http://ui.example"
         )
@@ -262,3 +262,74 @@ async def test_a_read_only_server_creates_migrates_and_sweeps_nothing(
         assert (await check.get_rollout_by_id(claimed.rollout_id)).status == "preparing"  # type: ignore[union-attr]
     finally:
         await check.close()
+
+
+def test_the_login_cookie_never_opens_ingestion_and_cors_answers_only_its_origins(
+    server_factory: Callable[..., RunningServer],
+) -> None:
+    server = server_factory(token=TOKEN, cors_origins=("http://ui.example",))
+    with httpx.Client(base_url=server.url, timeout=30, follow_redirects=False) as http:
+        assert http.post("/login", data={"token": TOKEN}).status_code == 303 and http.cookies
+        traces = http.post("/v1/traces", content=b"", headers={"Content-Type": "application/x-protobuf"})
+        assert traces.status_code == 401  # a logged-in browser cannot ingest spans
+        evil = {"Origin": "http://evil.example"}
+        for answer in [
+            http.options(ENQUEUE, headers={**evil, "Access-Control-Request-Method": "POST"}),
+            http.get("/v1/agl/health", headers={**evil, **BEARER}),  # a simple cross-origin request
+        ]:
+            assert "access-control-allow-origin" not in answer.headers, answer.headers
+            assert "access-control-allow-credentials" not in answer.headers
+        good = http.get("/v1/agl/health", headers={"Origin": "http://ui.example", **BEARER})
+        assert good.headers["access-control-allow-origin"] == "http://ui.example"
+
+
+def test_the_cookie_is_secure_behind_https(server_factory: Callable[..., RunningServer]) -> None:
+    server = server_factory(token=TOKEN)
+    with httpx.Client(base_url=server.url, timeout=30, follow_redirects=False) as http:
+        plain = http.post("/login", data={"token": TOKEN}).headers["set-cookie"].lower()
+        assert "secure" not in plain
+        # uvicorn takes X-Forwarded-Proto from a proxy on this host (its default forwarded_allow_ips).
+        forwarded = http.post("/login", data={"token": TOKEN}, headers={"X-Forwarded-Proto": "https"})
+        assert "; secure" in forwarded.headers["set-cookie"].lower()
+
+
+def test_the_default_body_limit_is_16_mib() -> None:
+    from lightning_sql.server.config import DEFAULT_MAX_BODY_BYTES
+
+    assert ServerConfig(url="sqlite://").max_body_bytes == DEFAULT_MAX_BODY_BYTES == 16 * 2**20
+
+
+def test_a_public_address_warns_and_max_body_mb_converts_to_bytes(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from benchmarks.server_startup import free_port
+
+    port = free_port()
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    env.pop("LIGHTNING_SQL_TOKEN", None)
+    args = ["--url", f"sqlite:///{tmp_path / 'w.db'}", "--host", "0.0.0.0", "--port", str(port), "--max-body-mb", "0.001"]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "lightning_sql.server", *args, "--log-level", "warning"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert process.poll() is None and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.05)
+        big = httpx.post(f"http://127.0.0.1:{port}{ENQUEUE}", json={"rollouts": [{"input": "x" * 2000}]}, timeout=10)
+        assert big.status_code == 413 and f"{int(0.001 * 2**20)} bytes" in big.json()["detail"]
+    finally:
+        process.terminate()
+        _out, err = process.communicate(timeout=30)
+    text = err.decode()
+    assert "warning" in text and "0.0.0.0 without a token" in text, text
