@@ -19,6 +19,10 @@ from lightning_sql.server.config import (
 )
 
 EXIT_USAGE = 2
+# Seconds an idle connection stays open.  Longer than the clients' own idle limits (httpx 5 s, aiohttp
+# 15 s): a server that closes first races a client reusing the connection, which then fails with a
+# read error the server never sees (uvicorn's default is 5 s, httpx's too).
+KEEP_ALIVE_S = 75
 logger = logging.getLogger(__name__)
 
 
@@ -127,7 +131,10 @@ def serve(
     mode = "read-only" if read_only else f"run {run!r}"
     logger.info("lightning-sql serve on http://%s:%d (%s)", host, port, mode)
     # No websocket protocol: nothing here speaks it, and not importing one keeps restarts quick.
-    uvicorn.run(app, host=host, port=port, log_level=log_level, server_header=False, access_log=False, ws="none")
+    uvicorn.run(
+        app, host=host, port=port, log_level=log_level, server_header=False, access_log=False, ws="none",
+        timeout_keep_alive=KEEP_ALIVE_S,
+    )
 
 
 def _console() -> Any:

@@ -3,6 +3,7 @@ with recent activity, and only a write that stores something creates a run (SQLi
 
 from __future__ import annotations
 
+import re
 import sqlite3
 from collections.abc import Callable
 
@@ -126,3 +127,32 @@ async def test_the_run_limit_is_a_400(server_factory: Callable[..., RunningServe
         again = http.post("/v1/agl/queues/rollouts/enqueue", json=body, headers={RUN_HEADER: "r0"})
         assert again.status_code == 201  # the runs it serves still work
     assert len(await reader().list_runs()) == MAX_RUNS - 1
+
+
+async def test_a_huge_span_name_makes_a_small_page(
+    server_factory: Callable[..., RunningServer], mp_backend: BackendSpec
+) -> None:
+    from opentelemetry.sdk.trace import ReadableSpan
+    from opentelemetry.trace import SpanContext, TraceFlags
+
+    from lightning_sql.server.dashboard.rendering import NAME_CHARS
+
+    rollout_id, attempt_id = await _trainer_run(mp_backend, RUN)
+    store = SqlLightningStore(mp_backend.url, **mp_backend.options(run=RUN))
+    try:
+        context = SpanContext(trace_id=1, span_id=2, is_remote=False, trace_flags=TraceFlags(1))
+        await store.add_otel_span(rollout_id, attempt_id, ReadableSpan(name="n" * 10_000_000, context=context))
+    finally:
+        await store.close()
+    server = server_factory(read_only=True)
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        run_id = re.search(r'href="/runs/(\d+)"', http.get("/").text).group(1)  # type: ignore[union-attr]
+        pages = [http.get(f"/runs/{run_id}/rollouts/{rollout_id}")]
+        rows = pages[0].text.count("n" * (NAME_CHARS - 1) + "…")
+        assert pages[0].status_code == 200 and rows >= 1, pages[0].text[-3000:]
+        detail = [line for line in pages[0].text.split('href="') if "/spans/" in line]
+        assert detail
+        pages.append(http.get(detail[0].split('"', 1)[0]))
+    for page in pages:
+        assert page.status_code == 200 and len(page.content) < 200_000, len(page.content)
+        assert "n" * NAME_CHARS not in page.text
