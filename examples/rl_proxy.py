@@ -70,6 +70,7 @@ class CollectTriplets(Algorithm):
     def __init__(self) -> None:
         super().__init__()
         self.triplets: dict[str, list[Triplet]] = {}
+        self.failures: dict[str, str] = {}
 
     async def run(self, train_dataset: Sequence[Any] | None = None, val_dataset: Sequence[Any] | None = None) -> None:
         store, proxy = self.get_store(), self.get_llm_proxy()
@@ -80,6 +81,11 @@ class CollectTriplets(Algorithm):
         finished = await store.wait_for_rollouts(rollout_ids=[r.rollout_id for r in rollouts], timeout=120)
         adapter = self.get_adapter()
         for r in finished:
+            if r.status != "succeeded":  # the runner put the agent's error in the attempt's metadata
+                attempt = await store.get_latest_attempt(r.rollout_id)
+                error = (attempt.metadata or {}).get("error") if attempt is not None else None
+                self.failures[r.rollout_id] = f"{error['type']}: {error['message']}" if error else r.status
+            # A rollout whose agent failed before its first call has no spans, and so no triplets.
             self.triplets[r.rollout_id] = adapter.adapt(list(await store.query_spans(r.rollout_id, "latest")))
 
 
@@ -135,6 +141,9 @@ def show(algorithm: CollectTriplets, url: str, run: str, limit: int) -> None:
     total = sum(len(ts) for ts in algorithm.triplets.values())
     console.print(f"rollouts: {len(algorithm.triplets)}  triplets: {total}  with token ids: {with_ids}  "
                   f"mean reward: {sum(rewards) / max(len(rewards), 1):.2f}")
+    if algorithm.failures:
+        first = next(iter(algorithm.failures.values()))
+        console.print(f"[red]{len(algorithm.failures)} rollout(s) failed[/red], the first with: {first}", highlight=False)
     if url.startswith("sqlite:///"):
         sql = SQLITE_SQL.format(run=run, limit=limit)
         console.print("\n[bold]The same data in SQL[/bold] (sqlite3 " + url.removeprefix("sqlite:///") + "):")
@@ -156,6 +165,10 @@ def main(argv: list[str] | None = None) -> CollectTriplets:
     parser.add_argument("--show", type=int, default=3, help="rollouts whose triplets are printed")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    try:
+        import openai  # noqa: F401 - the agent's SDK, imported by every rollout
+    except ImportError:
+        raise SystemExit("examples/rl_proxy.py needs the openai SDK: pip install -e '.[proxy]'") from None
 
     async def fresh() -> None:  # each run of the example starts over
         store = SqlLightningStore(args.url, run=args.run)

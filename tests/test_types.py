@@ -693,11 +693,19 @@ def test_encode_json_none_is_sql_null() -> None:
         (OrderedDict(a=1), '{"a":1}'),
         (Level.HIGH, "3"),
         ("\U0001f600", '"\U0001f600"'),
-        (10**30, str(10**30)),
+        (2**63 - 1, str(2**63 - 1)),
+        (-(2**63), str(-(2**63))),
     ],
 )
 def test_encode_json_accepts(value: Any, expected: str) -> None:
     assert encode_json(value, "input") == expected
+
+
+@pytest.mark.parametrize("value", [2**63, -(2**63) - 1, 10**30, [1, {"n": 2**70}]])
+def test_encode_json_refuses_integers_past_64_bits(value: Any) -> None:
+    # A reader (SQLite's JSON functions, orjson, JavaScript) would give it back as a float, or not at all.
+    with pytest.raises(ValueError, match=r"^input.*: integer .* is outside the signed 64-bit range"):
+        encode_json(value, "input")
 
 
 def test_encode_json_models_only_when_allowed() -> None:

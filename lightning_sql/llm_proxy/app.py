@@ -3,7 +3,9 @@
 Routes: ``POST /chat/completions``, ``POST /completions``, ``GET /models``, each also under ``/v1`` and
 under ``/rollout/<rid>/attempt/<aid>`` (with or without ``/v1``), plus ``GET /health``.
 
-A call: its body is validated (a malformed one gets 400 and nothing is stored); its attribution
+In front of the routes: the ``Host``, ``Origin`` and ``Content-Type`` rules of
+``lightning_sql.server.guard`` (a web page cannot inject calls), a body limit (413), and the token
+when one is set (401).  A call: its body is validated (a malformed one gets 400 and nothing is stored); its attribution
 (``SpanRecorder.attribute``) runs while the upstream is asked, except when unknown attempts are refused,
 where it comes first; the upstream's answer, error or stream reaches the client unchanged; the span is
 stored before the response ends.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -21,15 +24,18 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import orjson
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lightning_sql.llm_proxy.config import ModelRouter, ProxySettings, Upstream
 from lightning_sql.llm_proxy.recorder import SpanRecorder
 from lightning_sql.llm_proxy.spans import Attribution, CallRecord
 from lightning_sql.llm_proxy.streaming import CallKind, StreamAssembler
 from lightning_sql.llm_proxy.upstream import Forwarded, UpstreamClient, UpstreamFailure
+from lightning_sql.server.limits import BodyTooLarge
 
 if TYPE_CHECKING:
     from lightning_sql.store.base import LightningStore
@@ -84,6 +90,43 @@ def _validate(kind: CallKind, body: Any) -> str | None:
     return None
 
 
+class _TokenMiddleware:
+    """Every call but ``/health`` carries ``Authorization: Bearer <token>`` (an OpenAI client's api_key)."""
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app = app
+        self.token = token.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("path") != "/health":
+            given = dict(scope.get("headers", [])).get(b"authorization", b"")
+            scheme, _, value = given.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(value.strip(), self.token):
+                answer = _error(401, "This proxy needs its token: send 'Authorization: Bearer <token>' "
+                                "(the api_key of an OpenAI client)", "authentication_error")
+                await answer(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _middleware(settings: ProxySettings) -> list[Middleware]:
+    """Outermost first: the Host/Origin/Content-Type rules, the body limit, the token."""
+    from lightning_sql.server.guard import JSON_TYPE, BrowserGuardMiddleware, HostPolicy
+    from lightning_sql.server.limits import BodyLimitMiddleware
+
+    stack = [
+        Middleware(
+            BrowserGuardMiddleware,
+            hosts=HostPolicy(settings.host, settings.allowed_hosts),
+            body_types=lambda path: (JSON_TYPE,),
+        ),
+        Middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes),
+    ]
+    if settings.token is not None:
+        stack.append(Middleware(_TokenMiddleware, token=settings.token))
+    return stack
+
+
 class ProxyApp:
     """The proxy's state and its Starlette app; one per server (thread, task or process)."""
 
@@ -104,7 +147,7 @@ class ProxyApp:
                 routes.append(Route(base + "/chat/completions", self.chat, methods=["POST"]))
                 routes.append(Route(base + "/completions", self.completion, methods=["POST"]))
                 routes.append(Route(base + "/models", self.models, methods=["GET"]))
-        self.app = Starlette(routes=routes, lifespan=self._lifespan)
+        self.app = Starlette(routes=routes, lifespan=self._lifespan, middleware=_middleware(settings))
 
     def update_upstreams(self, upstreams: list[Upstream]) -> None:
         """Serve a new model list from the next call on (calls in flight finish on the old one)."""
@@ -151,7 +194,11 @@ class ProxyApp:
         params = request.path_params
         requested = (params["rollout_id"], params["attempt_id"]) if "rollout_id" in params else None
         try:
-            body = orjson.loads(await request.body())
+            raw = await request.body()
+        except BodyTooLarge as exc:
+            return _error(413, str(exc.detail), "invalid_request_error", "request_too_large")
+        try:
+            body = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
             return _error(400, f"The request body is not valid JSON: {exc}", "invalid_request_error")
         problem = _validate(kind, body)

@@ -221,6 +221,13 @@ class ProxySettings:
     """Ask upstreams for log-probabilities of the sampled tokens (``logprobs``) unless the client says."""
     max_connections: int = 1000
     """Connection pool size per proxy process."""
+    max_body_bytes: int = 16 * 1024 * 1024
+    """Largest request body accepted (413 beyond)."""
+    token: str | None = None
+    """When set, every call but ``/health`` needs ``Authorization: Bearer <token>`` (the OpenAI SDK's api_key)."""
+    host: str = "127.0.0.1"
+    """The bound address; with ``allowed_hosts``, the ``Host`` names served (``lightning_sql.server.guard``)."""
+    allowed_hosts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.num_retries, bool) or not isinstance(self.num_retries, int) or self.num_retries < 0:
@@ -229,5 +236,9 @@ class ProxySettings:
             raise ValueError(f"unattributed must be 'record' or 'refuse', got {self.unattributed!r}")
         for name in ("request_timeout", "connect_timeout"):
             _positive_float(getattr(self, name), name)
+        if isinstance(self.max_body_bytes, bool) or not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be a positive int, got {self.max_body_bytes!r}")
+        if self.token is not None and (not isinstance(self.token, str) or not self.token.strip()):
+            raise ValueError("token must be a non-empty str or None")
         if self.retry_backoff < 0:
             raise ValueError(f"retry_backoff must be >= 0, got {self.retry_backoff!r}")

@@ -9,6 +9,7 @@ httpx (the ``proxy`` extra) are imported by ``start()``.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import socket
 from collections.abc import Sequence
@@ -34,6 +35,7 @@ logger = logging.getLogger(__name__)
 _MIDDLEWARES = ("rollout_attempt", "stream_conversion", "message_inspection")
 _CALLBACKS = ("return_token_ids", "opentelemetry", "logprobs")
 _LAUNCH_MODES = ("thread", "mp", "asyncio")
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 
 
 def _free_port(host: str) -> int:
@@ -50,6 +52,15 @@ def _outbound_address() -> str:
             return str(sock.getsockname()[0])
     except OSError:
         return "127.0.0.1"
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _import_server() -> Any:
@@ -89,6 +100,12 @@ class LLMProxy:
         retry_backoff: seconds before the first retry, doubled each retry.
         logprobs: ask upstreams for log-probabilities unless the client says otherwise.
         startup_timeout: seconds ``start()`` waits for the server.
+        token: when set, every call needs ``Authorization: Bearer <token>``; ``as_resource`` puts it in
+            the resource's ``api_key``, which the OpenAI SDK sends so.  Without one, anyone who can
+            reach the port can call the model and write into rollouts: binding another address than
+            loopback without a token logs a warning.
+        max_body_bytes: largest request body (413 beyond); default 16 MiB.
+        allowed_hosts: ``Host`` names served besides loopback and the bound address (``"*"``: any).
     """
 
     def __init__(
@@ -110,6 +127,9 @@ class LLMProxy:
         retry_backoff: float = 0.1,
         logprobs: bool = False,
         startup_timeout: float = 30.0,
+        token: str | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        allowed_hosts: Sequence[str] = (),
     ) -> None:
         if launch_mode not in _LAUNCH_MODES:
             raise ValueError(f"launch_mode must be one of {_LAUNCH_MODES}, got {launch_mode!r}")
@@ -143,6 +163,10 @@ class LLMProxy:
             connect_timeout=connect_timeout,
             unattributed=unattributed,
             logprobs=logprobs or "logprobs" in (callbacks or ()),
+            max_body_bytes=max_body_bytes,
+            token=token,
+            host=self.host,
+            allowed_hosts=tuple(allowed_hosts),
         )
         self.startup_timeout = startup_timeout
         self.shutdown_timeout = 10.0
@@ -201,6 +225,12 @@ class LLMProxy:
             raise RuntimeError("The store is not thread-safe: use asyncio mode")
         server = _import_server()
         from lightning_sql.llm_proxy.app import ProxyApp
+
+        if not _is_loopback(self.host) and self._settings.token is None:
+            logger.warning(
+                "LLMProxy serves %s without a token: anyone who can reach port %d can call the model and "
+                "add calls to rollouts (LLMProxy(token=...))", self.host, self.port,
+            )
 
         def make_app() -> ProxyApp:
             self._app = ProxyApp(self._settings, self.get_store, self._unattributed_target)
@@ -263,11 +293,15 @@ class LLMProxy:
                 raise ValueError(f"Multiple models found in model_list: {sorted(names)}. Please specify the model.")
             model = next(iter(names))
         if rollout_id is None and attempt_id is None:
-            return ProxyLLM(endpoint=self.endpoint, model=model, sampling_parameters=dict(sampling_parameters or {}))
+            return ProxyLLM(
+                endpoint=self.endpoint, model=model, sampling_parameters=dict(sampling_parameters or {}),
+                api_key=self._settings.token,
+            )
         if rollout_id is not None and attempt_id is not None:
             return LLM(
                 endpoint=f"{self.endpoint}/rollout/{rollout_id}/attempt/{attempt_id}",
                 model=model,
                 sampling_parameters=dict(sampling_parameters or {}),
+                api_key=self._settings.token,
             )
         raise ValueError("Either rollout_id and attempt_id must be provided, or neither.")

@@ -3,7 +3,8 @@
 A call names its rollout and attempt in the URL (``/rollout/<rid>/attempt/<aid>/...``).  The recorder
 checks once per attempt that both exist (remembered afterwards) and stores the call's span with
 ``add_otel_span`` when the call ends, before the client sees the end of the response, so a finished
-rollout's calls are already in the store.  The store gives the span the rollout's next sequence id in
+rollout's calls are already in the store (a call with token ids also stores its ``raw_gen_ai_request``
+child, a second write under the same sequence id).  The store gives the span the rollout's next sequence id in
 the transaction that inserts it: one write per call, and an attempt's calls are numbered in the order
 they end.
 
@@ -21,7 +22,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from lightning_sql.llm_proxy.config import UnattributedPolicy
-from lightning_sql.llm_proxy.spans import Attribution, CallRecord, build_span
+from lightning_sql.llm_proxy.spans import Attribution, CallRecord, build_raw_span, build_span
 from lightning_sql.types import RolloutConfig
 
 if TYPE_CHECKING:
@@ -115,7 +116,13 @@ class SpanRecorder:
     async def record(self, record: CallRecord, attribution: Attribution) -> None:
         """Store the call's span; a store failure is logged, never raised to the client."""
         try:
-            await self.store.add_otel_span(attribution.rollout_id, attribution.attempt_id, build_span(record, attribution))
+            span = build_span(record, attribution)
+            stored = await self.store.add_otel_span(attribution.rollout_id, attribution.attempt_id, span)
+            raw = build_raw_span(record, span)
+            if raw is not None and stored is not None:  # the child shares its call's sequence id
+                await self.store.add_otel_span(
+                    attribution.rollout_id, attribution.attempt_id, raw, sequence_id=stored.sequence_id
+                )
         except Exception:  # noqa: BLE001 - the client already has its answer
             logger.exception(
                 "LLM proxy: could not store the span of a call for rollout %s attempt %s",

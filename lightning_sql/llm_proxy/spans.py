@@ -11,7 +11,10 @@ Span name ``openai.chat.completion`` for ``/chat/completions`` (what lightning_s
 * ``gen_ai.response.id`` / ``.model`` / ``.finish_reasons``, ``gen_ai.usage.input_tokens`` /
   ``.output_tokens``;
 * ``prompt_token_ids`` and ``response_token_ids`` (lists of ints, the first choice's) and
-  ``logprobs.content`` (JSON) when the upstream returned them;
+  ``logprobs.content`` (JSON) when the upstream returned them; with token ids, a child span
+  ``raw_gen_ai_request`` holds them again as LiteLLM records them (``build_raw_span``);
+* text fields past ``MAX_RECORDED_CHARS`` (and token-id lists past ``MAX_RECORDED_TOKEN_IDS``) keep
+  their head and a marker, listed in ``lightning_sql.proxy.truncated``;
 * ``server.address`` / ``server.port`` of the upstream, ``http.response.status_code``, ``error.type``,
   and ``lightning_sql.proxy.*``: upstream name, stream flag, cancelled flag, tries, latency and time to
   first token (seconds), and for an unattributed call the rollout/attempt ids the URL named.
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -33,10 +37,20 @@ from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, Trace
 from lightning_sql.llm_proxy.config import Upstream
 from lightning_sql.llm_proxy.streaming import CallKind
 
-__all__ = ["CallRecord", "Attribution", "build_span", "SPAN_NAMES", "PROXY_PREFIX"]
+__all__ = ["CallRecord", "Attribution", "build_span", "build_raw_span", "SPAN_NAMES", "PROXY_PREFIX", "RAW_SPAN_NAME"]
 
 SPAN_NAMES: dict[CallKind, str] = {"chat": "openai.chat.completion", "completion": "openai.completion"}
 PROXY_PREFIX = "lightning_sql.proxy"
+# The child span Agent-Lightning's LlmProxyTraceToTriplet reads token ids from (LiteLLM's name).
+RAW_SPAN_NAME = "raw_gen_ai_request"
+# A recorded text field longer than this keeps its head and a marker: a call whose request passed
+# the body limit is still stored whole in the store's limit per span (MAX_JSON_BYTES).
+MAX_RECORDED_CHARS = 1024 * 1024
+# All recorded text fields of one call together; past it each is cut to an equal share.
+MAX_RECORDED_TOTAL_CHARS = 8 * 1024 * 1024
+TRUNCATED_MARKER = "…[truncated by lightning_sql.llm_proxy: {dropped} of {total} characters]"
+# Token ids kept per list (about 8 bytes of JSON each).
+MAX_RECORDED_TOKEN_IDS = 400_000
 _RESOURCE = Resource.create({"service.name": "lightning_sql.llm_proxy"})
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 
@@ -194,6 +208,31 @@ def _response_attributes(attrs: dict[str, Any], record: CallRecord) -> None:
             attrs["logprobs.content"] = orjson.dumps(content).decode()
 
 
+def _cut(text: str, limit: int) -> str:
+    marker = TRUNCATED_MARKER.format(dropped=len(text) - limit, total=len(text))
+    return text[:limit] + marker
+
+
+def truncate_attributes(attrs: dict[str, Any]) -> list[str]:
+    """Cut oversized text and token-id attributes in place (each keeps its head and says so); the
+    keys that were cut."""
+    cut: list[str] = []
+    texts = [k for k, v in attrs.items() if isinstance(v, str) and len(v) > 1024]
+    total = sum(len(attrs[k]) for k in texts)
+    limit = MAX_RECORDED_CHARS
+    if total > MAX_RECORDED_TOTAL_CHARS:
+        limit = min(limit, MAX_RECORDED_TOTAL_CHARS // len(texts))
+    for key in texts:
+        if len(attrs[key]) > limit:
+            attrs[key] = _cut(attrs[key], limit)
+            cut.append(key)
+    for key, value in attrs.items():
+        if isinstance(value, list) and len(value) > MAX_RECORDED_TOKEN_IDS:
+            attrs[key] = value[:MAX_RECORDED_TOKEN_IDS]
+            cut.append(key)
+    return cut
+
+
 def build_span(record: CallRecord, attribution: Attribution) -> ReadableSpan:
     """The span that stores ``record`` under ``attribution`` (an OpenTelemetry span: ``add_otel_span``
     gives it the rollout's next sequence id in the same transaction that stores it)."""
@@ -227,6 +266,9 @@ def build_span(record: CallRecord, attribution: Attribution) -> ReadableSpan:
         if attribution.requested is not None:
             attrs[f"{PROXY_PREFIX}.requested_rollout_id"] = attribution.requested[0]
             attrs[f"{PROXY_PREFIX}.requested_attempt_id"] = attribution.requested[1]
+    truncated = truncate_attributes(attrs)
+    if truncated:
+        attrs[f"{PROXY_PREFIX}.truncated"] = truncated
     status = Status(StatusCode.OK)
     if record.error_type is not None:
         attrs["error.type"] = record.error_type
@@ -246,4 +288,39 @@ def build_span(record: CallRecord, attribution: Attribution) -> ReadableSpan:
         status=status,
         start_time=int(record.start_time * 1e9),
         end_time=int(record.end_time * 1e9),
+    )
+
+
+def build_raw_span(record: CallRecord, parent: ReadableSpan) -> ReadableSpan | None:
+    """The call's token ids as LiteLLM's ``raw_gen_ai_request`` child span, which Agent-Lightning's
+    ``LlmProxyTraceToTriplet`` reads (``llm.hosted_vllm.*``); None when the call has no token ids.
+
+    The ids are also on the call's own span, where ``TracerTraceToTriplet`` and lightning_sql's
+    adapter read them: the two adapters select spans by different names and read only the selected
+    span's attributes, so one copy cannot serve both.
+    """
+    attrs = parent.attributes or {}
+    prompt_ids, response_ids = attrs.get("prompt_token_ids"), attrs.get("response_token_ids")
+    if not isinstance(prompt_ids, Sequence) or not isinstance(response_ids, Sequence) or not prompt_ids or not response_ids:
+        return None
+    raw: dict[str, Any] = {
+        "llm.hosted_vllm.prompt_token_ids": list(prompt_ids),
+        # LiteLLM's shape: one list per choice, as text (span attributes hold no nested lists).
+        "llm.hosted_vllm.response_token_ids": orjson.dumps([list(response_ids)]).decode(),
+    }
+    if attrs.get("gen_ai.response.id") is not None:
+        raw["llm.hosted_vllm.id"] = attrs["gen_ai.response.id"]
+    context = parent.context
+    assert context is not None and record.end_time is not None
+    child = SpanContext(context.trace_id, int(secrets.token_hex(8), 16), is_remote=False, trace_flags=_SAMPLED)
+    return ReadableSpan(
+        name=RAW_SPAN_NAME,
+        context=child,
+        parent=context,
+        resource=_RESOURCE,
+        attributes=raw,
+        kind=SpanKind.INTERNAL,
+        status=Status(StatusCode.OK),
+        start_time=parent.start_time,
+        end_time=parent.end_time,
     )

@@ -205,6 +205,11 @@ class TracerTraceToTriplet(TraceAdapter[list[Triplet]]):
         return tree
 
     def adapt(self, source: Sequence[Span], /) -> list[Triplet]:
+        """The triplets of one attempt's spans; none for an attempt with no spans (one whose agent
+        failed before its first call), where Agent-Lightning's ``TracerTraceToTriplet`` raises
+        ``ValueError`` and its ``LlmProxyTraceToTriplet`` returns ``[]``, as here."""
+        if not source:
+            return []
         tree = self._tree(source)
         llm_pattern = re.compile(self.llm_call_match)
         agent_pattern = re.compile(self.agent_match) if self.agent_match else None

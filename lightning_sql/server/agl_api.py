@@ -5,12 +5,16 @@ The routes, payloads and status codes are those ``agentlightning.store.client_se
 work against ``lightning-sql serve`` unchanged; the server itself does not import agentlightning.
 Bodies follow its request models: a field that is absent is left as it is (``UNSET``), a field sent
 as ``null`` where the store needs a value is a 400.  Calls work on the server's run unless the
-``X-Lightning-SQL-Run`` header names another.  Bad input is a 400 with the store's message (the
-client does not retry a 4xx); an unreachable database is a 503 (it retries).
+``X-Lightning-SQL-Run`` header names another.  Only a call that stores something creates its run:
+reads of a run that does not exist answer as for an empty run, and updates of what is not there a
+400.  Bad input is a 400 with the store's message (the client does not retry a 4xx); an unreachable
+database is a 503 (it retries).
 """
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +32,8 @@ if TYPE_CHECKING:
     from lightning_sql.store import SqlLightningStore
 
 PREFIX = "/v1/agl"
+# The counts of ``statistics()``, all zero for a run that does not exist.
+EMPTY_COUNTS = ("total_rollouts", "total_attempts", "total_spans", "total_resources", "total_workers", "queue_depth")
 Endpoint = Callable[[Request], Awaitable[Response]]
 
 
@@ -50,14 +56,29 @@ def reply(value: Any, status: int = 200) -> JsonResponse:
     return JsonResponse(_dump(value), status_code=status)
 
 
+# An integer literal of 19 digits or more may not fit 64 bits, and orjson would read it as a float.
+_LONG_INTEGER = re.compile(rb"(?<![\w.])-?\d{19,}(?![\d.eE])")
+# Items one request may hand the store (rollouts to enqueue, ids to wait for, statuses to filter by):
+# each becomes a model in memory before the store sees it.
+MAX_ITEMS_PER_REQUEST = 10_000
+
+
+def parse_json(raw: bytes) -> Any:
+    """``raw`` as JSON, integers exactly (also past 64 bits, so that the check naming the field sees
+    them rather than a float); ``ValueError`` when it is not JSON."""
+    if _LONG_INTEGER.search(raw) is None:
+        return orjson.loads(raw)
+    return json.loads(raw)
+
+
 async def body_of(request: Request, *, default: Any = None) -> Any:
     """The JSON body, ``default`` for an empty one; a 400 for anything that is not JSON."""
     raw = await request.body()
     if not raw.strip():
         return default
     try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
+        return parse_json(raw)
+    except ValueError as exc:
         raise ApiError(400, f"the request body is not JSON: {exc}") from None
 
 
@@ -101,17 +122,30 @@ class _Page:
         if self.filter_logic not in ("and", "or"):
             raise ApiError(400, f"Invalid filter_logic: {self.filter_logic}, allowed values are: and, or")
 
+    def empty(self) -> dict[str, Any]:
+        """The page of a query on a run that does not exist."""
+        return {"items": [], "limit": self.limit, "offset": self.offset, "total": 0}
+
     def sorting(self) -> dict[str, Any]:
         return {"sort_by": self.sort_by, "sort_order": self.sort_order, "limit": self.limit, "offset": self.offset}
 
 
-def _int(value: Any, name: str) -> int:
-    if isinstance(value, bool):
-        raise ApiError(400, f"{name} must be an integer")
+def _int(value: Any, name: str, maximum: int | None = None) -> int:
+    """An integer field (a JSON integer, or the digits of a query parameter) in 64 bits and at most
+    ``maximum``; a 400 naming the field and the value otherwise."""
+    from lightning_sql.types import MAX_INT64, MIN_INT64, check_int64
+
+    if isinstance(value, str) and re.fullmatch(r"\s*[-+]?\d+\s*", value):
+        value = int(value)
     try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise ApiError(400, f"{name} must be an integer, got {value!r}") from None
+        return check_int64(value, name, minimum=MIN_INT64, maximum=MAX_INT64 if maximum is None else maximum)
+    except (TypeError, ValueError) as exc:
+        raise ApiError(400, str(exc)[:300]) from None
+
+
+def _items(value: Any, name: str) -> None:
+    if isinstance(value, list) and len(value) > MAX_ITEMS_PER_REQUEST:
+        raise ApiError(400, f"{name} holds {len(value)} items: at most {MAX_ITEMS_PER_REQUEST} per request")
 
 
 def _query(request: Request, *lists: str) -> dict[str, Any]:
@@ -130,6 +164,7 @@ def _strings(value: Any, name: str) -> Any:
         return None
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise ApiError(400, f"{name} must be a list of strings")
+    _items(value, name)
     return value
 
 
@@ -144,7 +179,20 @@ class AglApi:
         return request.headers.get(RUN_HEADER) or self.pool.config.run
 
     def _store(self, request: Request) -> SqlLightningStore:
+        """The store of the request's run, for a call that may create the run (it stores something)."""
         return self.pool.store(self._run(request))
+
+    async def _existing(self, request: Request) -> SqlLightningStore | None:
+        """The store of the request's run when the run exists, else None: reads, and writes that only
+        change what is there, never create a run."""
+        run = self._run(request)
+        return self.pool.store(run) if await self.pool.run_exists(run) else None
+
+    async def _target(self, request: Request, what: str) -> SqlLightningStore:
+        store = await self._existing(request)
+        if store is None:
+            raise ApiError(400, f"{what} not found: run {self._run(request)!r} does not exist")
+        return store
 
     # --- health and statistics ------------------------------------------------------------------
 
@@ -152,7 +200,10 @@ class AglApi:
         return reply({"status": "ok"})
 
     async def statistics(self, request: Request) -> Response:
-        return reply(dict(await self._store(request).statistics()))
+        store = await self._existing(request)
+        if store is None:
+            return reply({"name": "SqlLightningStore", **dict.fromkeys(EMPTY_COUNTS, 0), "uptime": self.pool.uptime()})
+        return reply(dict(await store.statistics()))
 
     # --- queue and rollouts ---------------------------------------------------------------------
 
@@ -163,6 +214,7 @@ class AglApi:
         items = body.get("rollouts")
         if not isinstance(items, list):
             raise ApiError(400, "rollouts must be a list of rollout requests")
+        _items(items, "rollouts")
         requests = [EnqueueRolloutRequest.model_validate(item) for item in items]
         if not requests:
             return reply([], 201)
@@ -170,11 +222,16 @@ class AglApi:
 
     async def dequeue(self, request: Request) -> Response:
         body = await object_of(request, required=False)
-        limit = _int(body.get("limit", 1), "limit")
+        from lightning_sql.store.sql.filters import MAX_CLAIM_LIMIT
+
+        limit = _int(body.get("limit", 1), "limit", MAX_CLAIM_LIMIT)
         worker_id = body.get("worker_id")
         if limit <= 0:
             return reply([])
-        attempted = list(await self._store(request).dequeue_many_rollouts(limit=limit, worker_id=worker_id))
+        store = self._store(request) if worker_id is not None else await self._existing(request)
+        if store is None:  # nothing to claim in a run that does not exist, and no worker to record
+            return reply([])
+        attempted = list(await store.dequeue_many_rollouts(limit=limit, worker_id=worker_id))
         self.metrics.claims_seen(self._run(request), attempted)
         return reply(attempted)
 
@@ -199,7 +256,10 @@ class AglApi:
         from lightning_sql.types import Rollout
 
         page = _Page(params, list(Rollout.model_fields))
-        result = await self._store(request).query_rollouts(
+        store = await self._existing(request)
+        if store is None:
+            return reply(page.empty())
+        result = await store.query_rollouts(
             status_in=_strings(params.get("status_in"), "status_in"),
             rollout_id_in=_strings(params.get("rollout_id_in"), "rollout_id_in"),
             rollout_id_contains=params.get("rollout_id_contains"),
@@ -215,15 +275,18 @@ class AglApi:
         return await self._query_rollouts(request, await object_of(request))
 
     async def get_rollout(self, request: Request) -> Response:
-        return reply(await self._store(request).get_rollout_by_id(request.path_params["rollout_id"]))
+        store = await self._existing(request)
+        return reply(None if store is None else await store.get_rollout_by_id(request.path_params["rollout_id"]))
 
     async def update_rollout(self, request: Request) -> Response:
         from lightning_sql.types import RolloutConfig, Unset
 
         body = await object_of(request)
         config = _present(body, "config", nullable=False)
-        rollout = await self._store(request).update_rollout(
-            request.path_params["rollout_id"],
+        rollout_id = request.path_params["rollout_id"]
+        store = await self._target(request, f"Rollout {rollout_id}")
+        rollout = await store.update_rollout(
+            rollout_id,
             input=_present(body, "input"),
             mode=_present(body, "mode"),
             resources_id=_present(body, "resources_id"),
@@ -237,16 +300,19 @@ class AglApi:
 
     async def start_attempt(self, request: Request) -> Response:
         body = await object_of(request, required=False)
-        attempted = await self._store(request).start_attempt(
-            request.path_params["rollout_id"], worker_id=body.get("worker_id")
-        )
+        rollout_id = request.path_params["rollout_id"]
+        store = await self._target(request, f"Rollout {rollout_id}")
+        attempted = await store.start_attempt(rollout_id, worker_id=body.get("worker_id"))
         return reply(attempted, 201)
 
     async def _query_attempts(self, request: Request, params: dict[str, Any]) -> Response:
         from lightning_sql.types import Attempt
 
         page = _Page(params, list(Attempt.model_fields), default_sort="sequence_id")
-        result = await self._store(request).query_attempts(request.path_params["rollout_id"], **page.sorting())
+        store = await self._existing(request)
+        if store is None:
+            return reply(page.empty())
+        result = await store.query_attempts(request.path_params["rollout_id"], **page.sorting())
         return reply(result)
 
     async def query_attempts(self, request: Request) -> Response:
@@ -256,12 +322,15 @@ class AglApi:
         return await self._query_attempts(request, await object_of(request))
 
     async def latest_attempt(self, request: Request) -> Response:
-        return reply(await self._store(request).get_latest_attempt(request.path_params["rollout_id"]))
+        store = await self._existing(request)
+        return reply(None if store is None else await store.get_latest_attempt(request.path_params["rollout_id"]))
 
     async def update_attempt(self, request: Request) -> Response:
         body = await object_of(request)
-        attempt = await self._store(request).update_attempt(
-            request.path_params["rollout_id"],
+        rollout_id = request.path_params["rollout_id"]
+        store = await self._target(request, f"Rollout {rollout_id}")
+        attempt = await store.update_attempt(
+            rollout_id,
             request.path_params["attempt_id"],
             status=_present(body, "status", nullable=False),
             worker_id=_present(body, "worker_id", nullable=False),
@@ -278,7 +347,10 @@ class AglApi:
         from lightning_sql.types import Worker
 
         page = _Page(params, list(Worker.model_fields))
-        result = await self._store(request).query_workers(
+        store = await self._existing(request)
+        if store is None:
+            return reply(page.empty())
+        result = await store.query_workers(
             status_in=_strings(params.get("status_in"), "status_in"),
             worker_id_contains=params.get("worker_id_contains"),
             filter_logic=page.filter_logic,
@@ -293,7 +365,8 @@ class AglApi:
         return await self._query_workers(request, await object_of(request))
 
     async def get_worker(self, request: Request) -> Response:
-        return reply(await self._store(request).get_worker_by_id(request.path_params["worker_id"]))
+        store = await self._existing(request)
+        return reply(None if store is None else await store.get_worker_by_id(request.path_params["worker_id"]))
 
     async def update_worker(self, request: Request) -> Response:
         body = await object_of(request, required=False)
@@ -319,7 +392,10 @@ class AglApi:
 
         params = _query(request)
         page = _Page(params, list(ResourcesUpdate.model_fields))
-        result = await self._store(request).query_resources(
+        store = await self._existing(request)
+        if store is None:
+            return reply(page.empty())
+        result = await store.query_resources(
             resources_id=params.get("resources_id"),
             resources_id_contains=params.get("resources_id_contains"),
             **page.sorting(),
@@ -331,14 +407,16 @@ class AglApi:
         return reply(await self._store(request).add_resources(resources), 201)
 
     async def latest_resources(self, request: Request) -> Response:
-        return reply(await self._store(request).get_latest_resources())
+        store = await self._existing(request)
+        return reply(None if store is None else await store.get_latest_resources())
 
     async def update_resources(self, request: Request) -> Response:
         resources = self._resources(await body_of(request))
         return reply(await self._store(request).update_resources(request.path_params["resources_id"], resources))
 
     async def get_resources(self, request: Request) -> Response:
-        return reply(await self._store(request).get_resources_by_id(request.path_params["resources_id"]))
+        store = await self._existing(request)
+        return reply(None if store is None else await store.get_resources_by_id(request.path_params["resources_id"]))
 
     # --- spans ----------------------------------------------------------------------------------
 
@@ -346,7 +424,7 @@ class AglApi:
         from lightning_sql.types import Span
 
         span = Span.model_validate(await object_of(request))
-        stored = await self._store(request).add_span(span)
+        stored = await (await self._target(request, f"Rollout {span.rollout_id}")).add_span(span)
         if stored is not None:
             self.metrics.spans_ingested.labels(source="api").inc()
         return reply(stored, 201)
@@ -357,7 +435,10 @@ class AglApi:
         if not isinstance(params.get("rollout_id"), str):
             raise ApiError(400, "rollout_id is required")
         page = _Page(params, list(Span.model_fields), default_sort="sequence_id")
-        result = await self._store(request).query_spans(
+        store = await self._existing(request)
+        if store is None:
+            return reply(page.empty())
+        result = await store.query_spans(
             params["rollout_id"],
             params.get("attempt_id"),
             trace_id=params.get("trace_id"),
@@ -384,7 +465,8 @@ class AglApi:
         rollout_id, attempt_id = body.get("rollout_id"), body.get("attempt_id")
         if not isinstance(rollout_id, str) or not isinstance(attempt_id, str):
             raise ApiError(400, "rollout_id and attempt_id are required strings")
-        sequence_id = await self._store(request).get_next_span_sequence_id(rollout_id, attempt_id)
+        store = await self._target(request, f"Rollout {rollout_id}")
+        sequence_id = await store.get_next_span_sequence_id(rollout_id, attempt_id)
         return reply({"sequence_id": sequence_id})
 
     # --- waits ----------------------------------------------------------------------------------
@@ -397,7 +479,10 @@ class AglApi:
         timeout = body.get("timeout")
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)):
             raise ApiError(400, "timeout must be a number or null")
-        return reply(await self._store(request).wait_for_rollouts(rollout_ids=rollout_ids, timeout=timeout))
+        store = await self._existing(request)
+        if store is None:  # a run that does not exist holds none of them
+            return reply([])
+        return reply(await store.wait_for_rollouts(rollout_ids=rollout_ids, timeout=timeout))
 
 
 def api_routes(pool: StorePool, metrics: ServerMetrics) -> list[Route]:

@@ -3,8 +3,9 @@
 Routes: ``/healthz`` (200 when the database answers, 503 otherwise), ``/metrics`` (Prometheus),
 ``/login``/``/logout`` (the dashboard's token form), ``/v1/agl/...`` (Agent-Lightning's client API),
 ``POST /v1/traces`` (OTLP/HTTP ingestion), and the dashboard at ``/``.  Middleware, outermost first:
-CORS (only when origins are configured), the body-size limit, token authentication, and the last
-resort that turns an unexpected exception into a JSON 500 without a traceback.
+the Host, Origin and Content-Type rules (``guard.py``), CORS (only when origins are configured), the
+body-size limit, token authentication, and the last resort that turns an unexpected exception into a
+JSON 500 without a traceback.
 
 Protobuf and the OTLP messages are imported by the first request that needs them, and the
 dashboard is made once the database is up, so a supervisor restarting the server gets ``/healthz``
@@ -26,11 +27,14 @@ from starlette.routing import BaseRoute, Route
 
 from lightning_sql.server.agl_api import api_routes
 from lightning_sql.server.auth import TokenAuthMiddleware, login_routes
+from lightning_sql.server.catalog import Catalog
 from lightning_sql.server.config import RUN_HEADER, ServerConfig
 from lightning_sql.server.errors import CatchAllMiddleware, ErrorHandlers, JsonResponse, error_response
+from lightning_sql.server.guard import BrowserGuardMiddleware, HostPolicy, json_body_rule
+from lightning_sql.server.ingest import traces_endpoint
 from lightning_sql.server.limits import BodyLimitMiddleware
 from lightning_sql.server.metrics import ServerMetrics
-from lightning_sql.server.otlp import traces_endpoint
+from lightning_sql.server.readonly import Database
 from lightning_sql.server.stores import StorePool
 
 logger = logging.getLogger(__name__)
@@ -59,6 +63,10 @@ def create_app(config: ServerConfig) -> Starlette:
     handlers = ErrorHandlers(on_database_error=metrics.database_error)
     dashboard_class = _dashboard_class()
     dashboard: Any = None
+    catalog: Catalog | None = None
+
+    def current_catalog() -> Catalog | None:
+        return catalog
 
     async def healthz(request: Request) -> Response:
         ok, detail = await pool.healthy()
@@ -80,7 +88,7 @@ def create_app(config: ServerConfig) -> Starlette:
 
     routes: list[BaseRoute] = [
         Route("/healthz", healthz, methods=["GET", "HEAD"]),
-        Route("/metrics", metrics.endpoint(pool), methods=["GET"]),
+        Route("/metrics", metrics.endpoint(current_catalog), methods=["GET"]),
         *login_routes(config.token),
     ]
     if config.read_only:
@@ -88,11 +96,20 @@ def create_app(config: ServerConfig) -> Starlette:
         routes.append(Route("/v1/{path:path}", read_only, methods=methods))
     else:
         routes.extend(api_routes(pool, metrics))
-        routes.append(Route("/v1/traces", traces_endpoint(pool, metrics, config.max_body_bytes), methods=["POST"]))
+        routes.append(
+            Route("/v1/traces", traces_endpoint(pool, metrics, current_catalog, config.max_body_bytes), methods=["POST"])
+        )
     if dashboard_class is None:
         routes.append(Route("/", index, methods=["GET"]))
 
-    middleware: list[Middleware] = []
+    middleware: list[Middleware] = [
+        Middleware(
+            BrowserGuardMiddleware,
+            hosts=HostPolicy(config.host, config.allowed_hosts),
+            body_types=json_body_rule,
+            cors_origins=config.cors_origins,
+        )
+    ]
     if config.cors_origins:
         from starlette.middleware.cors import CORSMiddleware
 
@@ -112,14 +129,16 @@ def create_app(config: ServerConfig) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        nonlocal dashboard
+        nonlocal dashboard, catalog
         ok, detail = await pool.healthy()
         if not ok:
             logger.warning("Serving, but %s: /healthz answers 503 until it does", detail)
+        # Made once the database exists (a writable server has just created a new one).
+        database = Database(config.url, config.schema)
+        catalog = Catalog(database)
         if dashboard_class is not None:
-            # Made once the database exists (a writable server has just created a new one); its
-            # pages go after the server's own routes, before the first request is served.
-            dashboard = dashboard_class(config.url, schema=config.schema)
+            # Its pages go after the server's own routes, before the first request is served.
+            dashboard = dashboard_class(config.url, schema=config.schema, db=database)
             app.router.routes.extend(dashboard.routes)
             await dashboard.startup()
         try:
@@ -127,6 +146,7 @@ def create_app(config: ServerConfig) -> Starlette:
         finally:
             if dashboard is not None:
                 await dashboard.shutdown()
+            await database.close()
             await pool.close()
 
     app = Starlette(

@@ -14,6 +14,10 @@ import base64
 import hashlib
 import hmac
 import html
+import math
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
 from urllib.parse import parse_qs, quote
 
 from starlette.requests import Request
@@ -28,6 +32,12 @@ OPEN_PATHS = frozenset({"/healthz", "/login", "/logout"})
 # Paths for programs, not browsers: the login cookie is not accepted there.
 MACHINE_PREFIXES = ("/v1/", "/metrics")
 COOKIE_MAX_AGE_S = 7 * 24 * 3600
+# Wrong tokens one client address may try per window before /login answers 429: a person mistypes a
+# few times, a guesser needs millions.
+MAX_FAILED_LOGINS = 5
+LOGIN_WINDOW_S = 60.0
+# Client addresses remembered; the oldest is forgotten first (bounded memory under many addresses).
+MAX_TRACKED_CLIENTS = 10_000
 
 
 def session_value(token: str) -> str:
@@ -133,8 +143,41 @@ def _login_page(next_path: str, error: str | None = None, status: int = 200) -> 
     return HTMLResponse(body, status_code=status, headers={"Cache-Control": "no-store"})
 
 
-def login_routes(token: str | None) -> list[Route]:
+class LoginThrottle:
+    """Failed logins per client address in a sliding window of ``LOGIN_WINDOW_S``."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._failures: OrderedDict[str, deque[float]] = OrderedDict()
+
+    def _recent(self, client: str) -> deque[float]:
+        failures = self._failures.get(client)
+        if failures is None:
+            failures = self._failures[client] = deque()
+            while len(self._failures) > MAX_TRACKED_CLIENTS:
+                self._failures.popitem(last=False)
+        horizon = self.clock() - LOGIN_WINDOW_S
+        while failures and failures[0] <= horizon:
+            failures.popleft()
+        return failures
+
+    def retry_after(self, client: str) -> int | None:
+        """Seconds until ``client`` may try again, or None when it may now."""
+        failures = self._recent(client)
+        if len(failures) < MAX_FAILED_LOGINS:
+            return None
+        return max(1, math.ceil(failures[0] + LOGIN_WINDOW_S - self.clock()))
+
+    def failed(self, client: str) -> None:
+        self._recent(client).append(self.clock())
+
+    def succeeded(self, client: str) -> None:
+        self._failures.pop(client, None)
+
+
+def login_routes(token: str | None, throttle: LoginThrottle | None = None) -> list[Route]:
     """``GET/POST /login`` and ``POST /logout`` (with no token configured, login just goes home)."""
+    throttle = throttle or LoginThrottle()
 
     async def login_form(request: Request) -> Response:
         next_path = safe_next(request.query_params.get("next"))
@@ -147,9 +190,17 @@ def login_routes(token: str | None) -> list[Route]:
         next_path = safe_next((form.get("next") or ["/"])[0])
         if token is None:
             return RedirectResponse(next_path, status_code=303)
+        client = request.client.host if request.client is not None else ""
+        wait = throttle.retry_after(client)
+        if wait is not None:
+            page = _login_page(next_path, f"Too many wrong tokens: try again in {wait} s.", status=429)
+            page.headers["Retry-After"] = str(wait)
+            return page
         given = (form.get("token") or [""])[0]
         if not _same(given, token):
+            throttle.failed(client)
             return _login_page(next_path, "That token is not this server's token.", status=401)
+        throttle.succeeded(client)
         response = RedirectResponse(next_path, status_code=303)
         response.set_cookie(
             COOKIE_NAME,

@@ -19,6 +19,10 @@ from lightning_sql.server.config import (
 )
 
 EXIT_USAGE = 2
+# Seconds an idle connection stays open.  Longer than the clients' own idle limits (httpx 5 s, aiohttp
+# 15 s): a server that closes first races a client reusing the connection, which then fails with a
+# read error the server never sees (uvicorn's default is 5 s, httpx's too).
+KEEP_ALIVE_S = 75
 logger = logging.getLogger(__name__)
 
 
@@ -60,6 +64,13 @@ def _is_loopback(host: str) -> bool:
 )
 @click.option("--cors-origin", "cors_origins", multiple=True, help="Allow this browser origin (repeatable); none by default.")
 @click.option(
+    "--allowed-host",
+    "allowed_hosts",
+    multiple=True,
+    help="Also answer requests whose Host header names this (repeatable; '*' for any); loopback and "
+    "the bound address always.",
+)
+@click.option(
     "--connect-timeout",
     type=click.FloatRange(min=0, min_open=True),
     default=DEFAULT_CONNECT_TIMEOUT_S,
@@ -82,6 +93,7 @@ def serve(
     read_only: bool,
     max_body_mb: float,
     cors_origins: tuple[str, ...],
+    allowed_hosts: tuple[str, ...],
     connect_timeout: float,
     log_level: str,
 ) -> None:
@@ -101,7 +113,8 @@ def serve(
             token=token or None,
             read_only=read_only,
             max_body_bytes=int(max_body_mb * 2**20),
-            cors_origins=cors_origins,
+            cors_origins=tuple(o.strip() for o in cors_origins),
+            allowed_hosts=tuple(h.strip() for h in allowed_hosts),
             connect_timeout=connect_timeout,
         )
         app = create_app(config)
@@ -118,7 +131,10 @@ def serve(
     mode = "read-only" if read_only else f"run {run!r}"
     logger.info("lightning-sql serve on http://%s:%d (%s)", host, port, mode)
     # No websocket protocol: nothing here speaks it, and not importing one keeps restarts quick.
-    uvicorn.run(app, host=host, port=port, log_level=log_level, server_header=False, access_log=False, ws="none")
+    uvicorn.run(
+        app, host=host, port=port, log_level=log_level, server_header=False, access_log=False, ws="none",
+        timeout_keep_alive=KEEP_ALIVE_S,
+    )
 
 
 def _console() -> Any:

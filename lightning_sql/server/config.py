@@ -27,6 +27,8 @@ class ServerConfig:
     Basic with the token as password, or the dashboard's login cookie).  ``read_only`` serves the
     dashboard, ``/metrics`` and ``/healthz`` only and opens the database without ever writing.
     ``connect_timeout``: seconds a call waits for an unreachable database before its 503.
+    ``allowed_hosts``: ``Host`` names served besides loopback and the bound address (``*``: any;
+    ``lightning_sql.server.guard``).
     """
 
     url: str
@@ -39,6 +41,7 @@ class ServerConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     cors_origins: tuple[str, ...] = field(default_factory=tuple)
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S
+    allowed_hosts: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not self.url:
@@ -57,8 +60,10 @@ class ServerConfig:
             raise ValueError(f"connect_timeout must be a number of seconds, got {self.connect_timeout!r}")
         if not self.connect_timeout > 0:
             raise ValueError(f"connect_timeout must be > 0, got {self.connect_timeout!r}")
-        origins = tuple(self.cors_origins)
-        for origin in origins:
-            if not isinstance(origin, str) or not origin.strip():
-                raise ValueError(f"cors_origins must be non-empty strings, got {origin!r}")
-        object.__setattr__(self, "cors_origins", tuple(o.strip() for o in origins))
+        for name in ("cors_origins", "allowed_hosts"):
+            values = getattr(self, name)
+            if not isinstance(values, tuple):
+                raise TypeError(f"{name} must be a tuple of strings, got {values!r}")
+            for value in values:
+                if not isinstance(value, str) or not value or value != value.strip():
+                    raise ValueError(f"{name} must hold non-empty strings without surrounding spaces, got {value!r}")

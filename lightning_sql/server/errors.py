@@ -1,7 +1,7 @@
 """Errors as JSON: every failure the server answers is ``{"detail": message}`` with a 4xx or 5xx status.
 
 Bad input (the store's ``ValueError``/``TypeError``, pydantic's validation errors, malformed bodies)
-is a 400 with the reason; writing through a read-only server is a 403; an unreachable database is a
+is a 400 with the reason, as is a value the database refuses (a number out of range); writing through a read-only server is a 403; an unreachable database is a
 503 (clients retry it).  Anything else is a 500 whose body names only the exception type: the
 traceback goes to the server's log, never to the client.
 """
@@ -40,6 +40,13 @@ class ApiError(HTTPException):
         super().__init__(status_code=status_code, detail=detail)
 
 
+def _is_refused_value(exc: BaseException) -> bool:
+    """A value the database cannot hold (a number out of range): bad input, not an outage."""
+    from sqlalchemy.exc import DataError
+
+    return isinstance(exc, DataError | OverflowError)
+
+
 def _is_database_error(exc: BaseException) -> bool:
     from sqlalchemy.exc import DBAPIError, OperationalError
 
@@ -75,6 +82,10 @@ class ErrorHandlers:
         return error_response(403, _message(exc), error_type=type(exc).__name__)
 
     async def unexpected(self, request: Request, exc: Exception) -> Response:
+        if _is_refused_value(exc):
+            logger.warning("The database refused a value on %s %s: %s", request.method, request.url.path, exc)
+            message = "a value in the request cannot be stored (out of range for its column)"
+            return error_response(400, message, error_type=type(exc).__name__)
         if _is_database_error(exc):
             if self._on_database_error is not None:
                 self._on_database_error(exc)

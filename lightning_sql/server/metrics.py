@@ -1,13 +1,16 @@
 """``/metrics``: the server's Prometheus metrics, one registry per app.
 
 Counters and histograms record what this process sees (API calls, ingested spans, database
-errors); the gauges (queue depth, rollouts by status) are read from the database on each scrape,
-with one count per status through the store's public queries, for every run this process serves.
+errors); the gauges (queue depth, rollouts by status) are read from the database on each scrape, in
+one grouped count, for the runs of the database with activity in the last
+``catalog.GAUGE_WINDOW_S`` (whoever wrote them: this server, runners, a trainer on the database).
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
@@ -22,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 if TYPE_CHECKING:
-    from lightning_sql.server.stores import StorePool
+    from lightning_sql.server.catalog import Catalog
     from lightning_sql.types import RolloutStatus
 
 logger = logging.getLogger(__name__)
@@ -100,28 +103,27 @@ class ServerMetrics:
             if item.attempt.sequence_id == 1:
                 self.claim_latency.labels(run=run).observe(max(item.attempt.start_time - item.start_time, 0.0))
 
-    async def refresh_gauges(self, pool: StorePool) -> None:
-        for run in pool.opened_runs():
-            store = pool.store(run)
-            try:
-                if await store.get_run(run) is None:
-                    continue  # not created yet: a scrape must not create it
-                counts: dict[RolloutStatus, int] = {}
-                for status in ROLLOUT_STATUSES:
-                    page = await store.query_rollouts(status_in=[status], limit=0)
-                    counts[status] = page.total
-            except Exception as exc:  # noqa: BLE001 - a scrape still returns what it has
-                self.scrape_errors.inc()
-                self.database_error(exc)
-                logger.warning("Reading gauges of run %r failed: %s", run, exc)
-                continue
-            for status, total in counts.items():
-                self.rollouts.labels(run=run, status=status).set(total)
-            self.queue_depth.labels(run=run).set(sum(counts[s] for s in QUEUED_STATUSES))
+    async def refresh_gauges(self, catalog: Catalog | None) -> None:
+        """Set the gauges from the database: the runs with recent activity (``catalog.GAUGE_WINDOW_S``)."""
+        if catalog is None:
+            return
+        try:
+            active = await catalog.active_run_counts(time.time())
+        except Exception as exc:  # noqa: BLE001 - a scrape still returns what it has
+            self.scrape_errors.inc()
+            self.database_error(exc)
+            logger.warning("Reading the gauges failed: %s", exc)
+            return
+        self.rollouts.clear()
+        self.queue_depth.clear()
+        for run in active:
+            for status in ROLLOUT_STATUSES:
+                self.rollouts.labels(run=run.name, status=status).set(run.counts.get(status, 0))
+            self.queue_depth.labels(run=run.name).set(sum(run.counts.get(s, 0) for s in QUEUED_STATUSES))
 
-    def endpoint(self, pool: StorePool) -> Any:
+    def endpoint(self, catalog: Callable[[], Catalog | None]) -> Any:
         async def metrics(request: Request) -> Response:
-            await self.refresh_gauges(pool)
+            await self.refresh_gauges(catalog())
             return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
         return metrics

@@ -1,12 +1,11 @@
-"""OTLP/HTTP trace ingestion: ``POST /v1/traces`` (protobuf or JSON, gzip or not).
+"""OTLP/HTTP trace requests decoded: ``POST /v1/traces`` bodies (protobuf or JSON, gzip or not) into
+the fields of store spans (``ingest.py`` stores them).
 
 A span reaches its rollout and attempt through Agent-Lightning's ``agentlightning.rollout_id`` /
-``agentlightning.attempt_id`` attributes (span-level wins over resource-level), and its run through
-``lightning_sql.run`` (span, then resource), the ``X-Lightning-SQL-Run`` header, then the server's
-run.  Spans without ``agentlightning.span_sequence_id`` get sequence ids from the store, as
-``add_otel_span`` gives them.  Spans that cannot be stored (no attribution, unknown rollout or
-attempt, malformed ids) are counted and reported in ``partial_success``; a malformed request is a
-400 with nothing stored; an unsupported content type or encoding is a 415 (OTLP/HTTP spec).
+``agentlightning.attempt_id`` attributes (span-level wins over resource-level), and names its run
+through ``lightning_sql.run`` (span, then resource) or the request's ``X-Lightning-SQL-Run`` header.
+Spans that cannot be stored (no attribution, malformed ids, a sequence id past 64 bits) are counted
+in the ``Outcome``; a malformed request is an ``OtlpError(400)``; an unsupported encoding a 415.
 """
 
 from __future__ import annotations
@@ -14,20 +13,14 @@ from __future__ import annotations
 import base64
 import logging
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
-from starlette.requests import Request
-from starlette.responses import Response
 
-from lightning_sql.server.config import RUN_ATTRIBUTE, RUN_HEADER
+from lightning_sql.server.config import RUN_ATTRIBUTE
 from lightning_sql.server.limits import too_large_message
-
-if TYPE_CHECKING:
-    from lightning_sql.server.metrics import ServerMetrics
-    from lightning_sql.server.stores import StorePool
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +32,7 @@ SEQUENCE_ID = "agentlightning.span_sequence_id"
 _STATUS_CODES = {0: "UNSET", 1: "OK", 2: "ERROR"}
 # How many distinct reasons a partial_success message lists before summarising.
 _MAX_REASONS = 5
+_GZIP_MAGIC = b"\x1f\x8b"
 
 
 class OtlpError(Exception):
@@ -51,7 +45,7 @@ class OtlpError(Exception):
 
 
 @dataclass
-class _Outcome:
+class Outcome:
     stored: int = 0
     rejected: int = 0
     reasons: dict[str, int] = field(default_factory=dict)
@@ -70,25 +64,33 @@ class _Outcome:
         return "; ".join(parts)
 
 
-def _media_type(request: Request) -> str:
-    return request.headers.get("content-type", "").split(";")[0].strip().lower()
-
-
-def _decompress(body: bytes, encoding: str, limit: int) -> bytes:
+def decompress(body: bytes, encoding: str, limit: int) -> bytes:
+    """The body, gunzipped when ``encoding`` says so: every gzip member of it (RFC 1952), up to
+    ``limit`` bytes; anything after the last member is a 400."""
     if encoding in ("", "identity"):
         return body
     if encoding != "gzip":
         raise OtlpError(415, f"unsupported Content-Encoding {encoding!r}: send gzip or no encoding")
-    inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)
-    try:
-        data = inflater.decompress(body, limit + 1)
-    except zlib.error as exc:
-        raise OtlpError(400, f"the gzip body cannot be decompressed: {exc}") from None
-    if len(data) > limit:
-        raise OtlpError(413, too_large_message(limit) + " (after decompression)")
-    if not inflater.eof:
-        raise OtlpError(400, "the gzip body is truncated")
-    return data
+    parts: list[bytes] = []
+    size = 0
+    rest = body
+    while True:
+        inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        try:
+            data = inflater.decompress(rest, limit + 1 - size)
+        except zlib.error as exc:
+            raise OtlpError(400, f"the gzip body cannot be decompressed: {exc}") from None
+        size += len(data)
+        if size > limit:
+            raise OtlpError(413, too_large_message(limit) + " (after decompression)")
+        parts.append(data)
+        if not inflater.eof:
+            raise OtlpError(400, "the gzip body is truncated")
+        rest = inflater.unused_data
+        if not rest:
+            return b"".join(parts)
+        if not rest.startswith(_GZIP_MAGIC):
+            raise OtlpError(400, f"the gzip body has {len(rest)} byte(s) of trailing data after its end")
 
 
 def _hex_to_base64(holder: dict[str, Any], *names: str) -> None:
@@ -187,12 +189,25 @@ def _text(value: Any) -> str | None:
     return text or None
 
 
+class _BadSequence(ValueError):
+    """A span's sequence id that no column can hold."""
+
+
 def _sequence(value: Any) -> int | None:
+    """The span's own sequence id; None when it has none (the store issues one)."""
+    from lightning_sql.types import MAX_INT64
+
     try:
         number = int(str(value))
     except (TypeError, ValueError):
         return None
+    if number > MAX_INT64:
+        raise _BadSequence(f"{SEQUENCE_ID} {str(value)[:40]} is outside the signed 64-bit range")
     return number if number >= 0 else None
+
+
+def span_count(message: Any) -> int:
+    return sum(len(scope_spans.spans) for rs in message.resource_spans for scope_spans in rs.scope_spans)
 
 
 def _trace_state(text: str) -> dict[str, str]:
@@ -209,16 +224,19 @@ def _seconds(nanos: int) -> float | None:
 
 
 @dataclass
-class _Pending:
-    run: str
+class Pending:
+    """One span to store: its target (the run only when the span or request names one) and fields."""
+
+    run: str | None
     rollout_id: str
     attempt_id: str
     sequence_id: int | None
     fields: dict[str, Any]
 
 
-def collect(message: Any, header_run: str | None, default_run: str, outcome: _Outcome) -> Iterator[_Pending]:
-    """Each attributed span of the request as the fields of a store ``Span``; the others rejected."""
+def collect(message: Any, header_run: str | None, outcome: Outcome) -> Iterator[Pending]:
+    """Each attributed span of the request as the fields of a store ``Span``, one at a time (the
+    caller stores them in chunks); the others rejected."""
     for resource_spans in message.resource_spans:
         resource_attrs = attributes(resource_spans.resource.attributes)
         resource = {"attributes": resource_attrs, "schema_url": resource_spans.schema_url or ""}
@@ -233,15 +251,20 @@ def collect(message: Any, header_run: str | None, default_run: str, outcome: _Ou
                 if len(span.trace_id) != 16 or len(span.span_id) != 8 or len(span.parent_span_id) not in (0, 8):
                     outcome.reject(1, "bad_ids", "trace_id must be 16 bytes, span_id and parent_span_id 8 bytes")
                     continue
-                run = _text(attrs.get(RUN_ATTRIBUTE, resource_attrs.get(RUN_ATTRIBUTE))) or header_run or default_run
+                try:
+                    sequence_id = _sequence(attrs.get(SEQUENCE_ID, resource_attrs.get(SEQUENCE_ID)))
+                except _BadSequence as exc:
+                    outcome.reject(1, "bad_sequence_id", str(exc))
+                    continue
+                run = _text(attrs.get(RUN_ATTRIBUTE, resource_attrs.get(RUN_ATTRIBUTE))) or header_run
                 trace_id, span_id = span.trace_id.hex(), span.span_id.hex()
                 parent_id = span.parent_span_id.hex() if span.parent_span_id else None
                 context = {"trace_id": trace_id, "span_id": span_id, "is_remote": False}
-                yield _Pending(
+                yield Pending(
                     run=run,
                     rollout_id=rollout_id,
                     attempt_id=attempt_id,
-                    sequence_id=_sequence(attrs.get(SEQUENCE_ID, resource_attrs.get(SEQUENCE_ID))),
+                    sequence_id=sequence_id,
                     fields={
                         "trace_id": trace_id,
                         "span_id": span_id,
@@ -281,81 +304,3 @@ def collect(message: Any, header_run: str | None, default_run: str, outcome: _Ou
                 )
 
 
-async def store_spans(pending: list[_Pending], pool: StorePool, outcome: _Outcome) -> None:
-    """Store the spans attempt by attempt; an unknown run, rollout or attempt rejects its group only."""
-    from pydantic import ValidationError
-
-    from lightning_sql.types import Span
-
-    groups: dict[tuple[str, str, str], list[_Pending]] = {}
-    for item in pending:
-        groups.setdefault((item.run, item.rollout_id, item.attempt_id), []).append(item)
-    for (run, rollout_id, attempt_id), items in groups.items():
-        try:
-            store = pool.store(run)
-            missing = [item for item in items if item.sequence_id is None]
-            if missing:
-                issued = await store.get_many_span_sequence_ids([(rollout_id, attempt_id)] * len(missing))
-                for item, sequence_id in zip(missing, issued, strict=True):
-                    item.sequence_id = sequence_id
-            spans = []
-            for item in items:
-                try:
-                    spans.append(
-                        Span.model_validate(
-                            {"rollout_id": rollout_id, "attempt_id": attempt_id, "sequence_id": item.sequence_id, **item.fields}
-                        )
-                    )
-                except ValidationError as exc:
-                    outcome.reject(1, "invalid_span", f"not a valid span: {exc.errors()[0].get('msg', 'invalid')}")
-            if spans:
-                stored = await store.add_many_spans(spans)
-                outcome.stored += len(stored)
-                if len(stored) < len(spans):
-                    outcome.reject(len(spans) - len(stored), "duplicate", "already stored (same span id in the attempt)")
-        except (ValueError, TypeError) as exc:
-            outcome.reject(len(items), "unknown_target", f"run {run!r}: {exc}")
-
-
-def _encode(message: Any, media_type: str) -> bytes:
-    if media_type == PROTOBUF:
-        return bytes(message.SerializeToString())
-    from google.protobuf import json_format
-
-    return json_format.MessageToJson(message, indent=None).encode()
-
-
-def _status_response(status: int, text: str, media_type: str) -> Response:
-    from google.rpc.status_pb2 import Status
-
-    answer_type = media_type if media_type in (PROTOBUF, JSON) else JSON
-    return Response(_encode(Status(message=text), answer_type), status_code=status, media_type=answer_type)
-
-
-def traces_endpoint(pool: StorePool, metrics: ServerMetrics, max_body_bytes: int) -> Callable[[Request], Any]:
-    async def traces(request: Request) -> Response:
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
-
-        media_type = _media_type(request)
-        try:
-            if media_type not in (PROTOBUF, JSON):
-                raise OtlpError(415, f"unsupported Content-Type {media_type!r}: send {PROTOBUF} or {JSON}")
-            encoding = request.headers.get("content-encoding", "").strip().lower()
-            body = _decompress(await request.body(), encoding, max_body_bytes)
-            message = parse_request(body, media_type)
-        except OtlpError as exc:
-            return _status_response(exc.status, exc.message, media_type)
-        outcome = _Outcome()
-        pending = list(collect(message, request.headers.get(RUN_HEADER), pool.config.run, outcome))
-        await store_spans(pending, pool, outcome)
-        metrics.spans_ingested.labels(source="otlp").inc(outcome.stored)
-        for kind, count in outcome.kinds.items():
-            metrics.spans_rejected.labels(reason=kind).inc(count)
-        answer = ExportTraceServiceResponse()
-        if outcome.rejected:
-            logger.info("OTLP export: stored %d span(s), rejected %s", outcome.stored, outcome.message())
-            answer.partial_success.rejected_spans = outcome.rejected
-            answer.partial_success.error_message = outcome.message()
-        return Response(_encode(answer, media_type), media_type=media_type)
-
-    return traces

@@ -1,13 +1,15 @@
 """The stores one server process works through: one ``SqlLightningStore`` per run it serves.
 
 A ``SqlLightningStore`` is bound to one run; the server works on its configured run unless a request
-names another, so it keeps one store per run name, opened on first use.  Instances share the
+names another, so it keeps one store per run name, opened on first use.  Only a write that stores
+something opens the store of a run that does not exist yet (and so creates the run).  Instances share the
 process's I/O worker for the database, so a store per run costs a few objects, not connections.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from lightning_sql.server.config import ServerConfig
@@ -21,6 +23,17 @@ logger = logging.getLogger(__name__)
 MAX_RUNS = 256
 
 
+def _check_existing_sqlite(url: str) -> None:
+    """A read-only server never creates anything: not even the file of a SQLite URL."""
+    from pathlib import Path
+
+    from lightning_sql.store.sql.urls import normalise_url
+
+    target = normalise_url(url)
+    if target.dialect == "sqlite" and target.path is not None and not Path(target.path).is_file():
+        raise ValueError(f"no SQLite database at {target.path}: --read-only serves an existing database and creates none")
+
+
 class TooManyRunsError(ValueError):
     """A request named a run beyond ``MAX_RUNS`` distinct runs of this process."""
 
@@ -29,8 +42,12 @@ class StorePool:
     """Stores by run name for one database (read-only ones under ``read_only``)."""
 
     def __init__(self, config: ServerConfig) -> None:
+        if config.read_only:
+            _check_existing_sqlite(config.url)
         self.config = config
         self._stores: dict[str, SqlLightningStore] = {}
+        self._existing: set[str] = set()
+        self._started = time.monotonic()
         self.store()  # checks the URL and options now (no I/O): a bad one fails at start, not per call
 
     def _options(self) -> dict[str, Any]:
@@ -69,6 +86,21 @@ class StorePool:
 
     def opened_runs(self) -> list[str]:
         return list(self._stores)
+
+    def uptime(self) -> float:
+        return time.monotonic() - self._started
+
+    async def run_exists(self, name: str) -> bool:
+        """Whether the database holds run ``name`` (looked up without creating it; a run never
+        disappears while it is served, so a found one is remembered)."""
+        if name in self._existing:
+            return True
+        if not isinstance(name, str) or not name:
+            raise ValueError("the run name must be a non-empty string")
+        found = await self.store().get_run(name) is not None
+        if found:
+            self._existing.add(name)
+        return found
 
     async def healthy(self) -> tuple[bool, str]:
         """Whether the database answers a trivial read (looking the server's run up), and why not.

@@ -12,6 +12,8 @@ from typing import Any, Generic, Literal, TypedDict, TypeVar, cast, overload
 
 from pydantic import BaseModel, Field, model_validator
 
+from .jsonvalue import MAX_INT64
+
 __all__ = [
     "RolloutStatus",
     "AttemptStatus",
@@ -105,7 +107,7 @@ class RolloutConfig(BaseModel):
     """The timeout for the rollout, in seconds. None indicates no timeout."""
     unresponsive_seconds: float | None = Field(default=None, allow_inf_nan=False)
     """The heartbeat limit for the rollout, in seconds. None indicates no limit."""
-    max_attempts: int = Field(default=1, ge=1)
+    max_attempts: int = Field(default=1, ge=1, le=MAX_INT64)
     """The maximum number of attempts for the rollout, including the first attempt."""
     retry_condition: list[AttemptStatus] = Field(
         default_factory=cast(Callable[[], list[AttemptStatus]], list)

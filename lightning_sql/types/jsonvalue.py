@@ -38,6 +38,9 @@ __all__ = [
     "MAX_JSON_DEPTH",
     "MAX_JSON_BYTES",
     "MAX_ID_BYTES",
+    "MIN_INT64",
+    "MAX_INT64",
+    "check_int64",
     "encode_json",
     "check_json",
     "json_text",
@@ -52,6 +55,11 @@ MAX_JSON_BYTES = _limit_from_env("LIGHTNING_SQL_MAX_JSON_BYTES", 16 * 1024 * 102
 # Ids and names are index keys: PostgreSQL refuses a btree row over 2,704 bytes, and the limit is the
 # same on every backend so that what SQLite accepts PostgreSQL accepts too.
 MAX_ID_BYTES = 1024
+
+# Every integer the store keeps, in a JSON value or a column, fits a signed 64-bit integer: what
+# PostgreSQL's BIGINT and SQLite's INTEGER hold, and what a JSON reader can give back as an integer.
+MIN_INT64 = -(2**63)
+MAX_INT64 = 2**63 - 1
 
 # UTF-8 needs at most 4 bytes per code point: text this short cannot exceed the limit, so we skip encoding it.
 _SAFE_CHARS = MAX_JSON_BYTES // 4
@@ -90,6 +98,26 @@ def _check_string(value: str) -> None:
         _fail(ValueError, f"{problem} in a string")
 
 
+def _int_text(value: int) -> str:
+    text = str(value)
+    return text if len(text) <= 40 else f"{text[:20]}...{text[-8:]} ({len(text)} digits)"
+
+
+def _check_int(value: int) -> None:
+    if not MIN_INT64 <= value <= MAX_INT64:
+        _fail(ValueError, f"integer {_int_text(value)} is outside the signed 64-bit range")
+
+
+def check_int64(value: Any, field: str, *, minimum: int = MIN_INT64, maximum: int = MAX_INT64) -> int:
+    """``value`` when it is an int (not a bool) in ``minimum..maximum``; else a ``TypeError`` (not an
+    int) or ``ValueError`` naming ``field``, the value and the bounds."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{field} must be an integer, got {value!r}")
+    if not minimum <= value <= maximum:
+        raise ValueError(f"{field} must be an integer in {minimum}..{maximum}, got {_int_text(value)}")
+    return value
+
+
 def _check_float(value: float) -> None:
     if not math.isfinite(value):
         if value != value:
@@ -103,7 +131,10 @@ def _walk(value: Any, depth: int, allow_models: bool) -> None:
     if kind is str:
         _check_string(value)
         return
-    if kind is int or kind is bool or value is None:
+    if kind is bool or value is None:
+        return
+    if kind is int:
+        _check_int(value)
         return
     if kind is float:
         _check_float(value)
@@ -117,8 +148,10 @@ def _walk(value: Any, depth: int, allow_models: bool) -> None:
     # Subclasses (str enums, int enums, OrderedDict, ...) encode like their bases.
     if isinstance(value, str):
         _check_string(value)
-    elif isinstance(value, bool | int):
+    elif isinstance(value, bool):
         return
+    elif isinstance(value, int):
+        _check_int(value)
     elif isinstance(value, float):
         _check_float(value)
     elif isinstance(value, dict):
@@ -149,7 +182,9 @@ def _walk_dict(value: dict[Any, Any], depth: int, allow_models: bool) -> None:
         if kind is str:
             if "\x00" not in item and item.isascii():
                 continue
-        elif kind is int or kind is bool or item is None:
+        elif kind is bool or item is None:
+            continue
+        elif kind is int and MIN_INT64 <= item <= MAX_INT64:
             continue
         elif kind is float and item - item == 0.0:  # false only for NaN and ±Infinity
             continue
@@ -168,7 +203,9 @@ def _walk_sequence(value: list[Any] | tuple[Any, ...], depth: int, allow_models:
         if kind is str:
             if "\x00" not in item and item.isascii():
                 continue
-        elif kind is int or kind is bool or item is None:
+        elif kind is bool or item is None:
+            continue
+        elif kind is int and MIN_INT64 <= item <= MAX_INT64:
             continue
         elif kind is float and item - item == 0.0:  # false only for NaN and ±Infinity
             continue
@@ -191,8 +228,8 @@ def check_json(value: Any, field: str, *, allow_models: bool = False) -> None:
     Raises:
         TypeError: a value of a type JSON cannot hold (set, bytes, datetime, non-str dict key, a pydantic model
             unless `allow_models`, ...).
-        ValueError: NaN/±Infinity, a NUL character or lone surrogate in a string or key, or nesting deeper
-            than `MAX_JSON_DEPTH`.
+        ValueError: NaN/±Infinity, an integer outside the signed 64-bit range, a NUL character or lone
+            surrogate in a string or key, or nesting deeper than `MAX_JSON_DEPTH`.
     """
     try:
         _walk(value, 0, allow_models)
@@ -225,8 +262,8 @@ def json_text(value: Any, field: str, *, allow_models: bool = False) -> str:
     text: str | None = None
     if orjson is not None:
         # ~10x faster than json.dumps on span attributes; the walk already refused what orjson
-        # would accept differently (NaN, non-str keys, depth).  Integers beyond 64 bits make it
-        # raise TypeError: the standard encoder below takes those.
+        # would accept differently (NaN, non-str keys, depth, integers beyond 64 bits); a value the
+        # caller did not check may still make it raise TypeError: the standard encoder takes those.
         try:
             text = orjson.dumps(value, default=_model_default if allow_models else None).decode()
         except TypeError:

@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from opentelemetry import trace as trace_api
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
+
+from .jsonvalue import MAX_INT64, MIN_INT64
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.resources import Resource as OtelSdkResource
@@ -255,8 +257,8 @@ class Span(BaseModel):
     """The rollout this span belongs to."""
     attempt_id: str
     """The attempt this span belongs to."""
-    sequence_id: int
-    """Orders spans within a rollout (not unique: a subtree may share one)."""
+    sequence_id: int = Field(ge=MIN_INT64, le=MAX_INT64)
+    """Orders spans within a rollout (not unique: a subtree may share one); a 64-bit integer."""
     trace_id: str
     """The trace id, 32 lowercase hex characters."""
     span_id: str

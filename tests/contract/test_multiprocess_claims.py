@@ -1,4 +1,4 @@
-"""Contract §2.4 / DESIGN §4 across OS processes: 4 spawned processes x 8 concurrent claimers against one
+"""docs/store-contract.md §2.4 / docs/architecture.md §4 (claiming) across OS processes: 4 spawned processes x 8 concurrent claimers against one
 database (SQLite file; PostgreSQL) claim every queued rollout exactly once, and no error surfaces (no
 "database is locked").
 

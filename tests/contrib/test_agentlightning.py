@@ -476,3 +476,33 @@ def test_agentlightning_trainer_runs_to_completion(mp_backend: BackendSpec, stra
     total = len(TRAIN_SAMPLES) + len(VAL_SAMPLES)
     assert (row["rollouts"], row["succeeded"], row["failed"], row["spans"]) == (total, total, 0, len(SPAN_NAMES[strategy_name]) * total)
     asyncio.run(store.close())
+
+
+async def test_agentlightning_heartbeat_tests_pass_on_a_url_store(
+    mp_backend: BackendSpec, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Agent-Lightning 0.3's test_spans_promote_preparing_attempt_with_heartbeat and
+    test_running_attempt_updates_heartbeat (tests/store/test_core.py), on the bridge built from a URL."""
+    from opentelemetry.sdk.trace import ReadableSpan
+    from opentelemetry.trace import SpanContext, TraceFlags
+
+    def readable(index: int) -> ReadableSpan:
+        context = SpanContext(trace_id=0xAB, span_id=index, is_remote=False, trace_flags=TraceFlags(1))
+        return ReadableSpan(name="s", context=context, attributes={}, start_time=1, end_time=2)
+
+    store = AgentLightningSqlStore(mp_backend.url, run="heartbeat", scan_debounce_seconds=0, **mp_backend.options())
+    try:
+        rollout = await store.enqueue_rollout(input={"test": "preparing-heartbeat"})
+        assert await store.dequeue_rollout() is not None
+        attempt_id = (await store.query_attempts(rollout.rollout_id))[0].attempt_id
+        monkeypatch.setattr("agentlightning.store.collection_based.time.time", lambda: 1234.5)
+        await store.add_otel_span(rollout.rollout_id, attempt_id, readable(1))
+        after = (await store.query_attempts(rollout.rollout_id))[0]
+        assert (after.status, after.last_heartbeat_time) == ("running", 1234.5)
+        first = after.last_heartbeat_time
+        monkeypatch.setattr("agentlightning.store.collection_based.time.time", lambda: first + 100.0)
+        await store.add_otel_span(rollout.rollout_id, attempt_id, readable(2))
+        assert (await store.query_attempts(rollout.rollout_id))[0].last_heartbeat_time == first + 100.0
+    finally:
+        monkeypatch.undo()
+        await store.close()

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from lightning_sql.llm_proxy import LLMProxy
+from lightning_sql.llm_proxy.spans import RAW_SPAN_NAME
 from lightning_sql.llm_proxy.testing import StandInModelServer
 from lightning_sql.store.base import LightningStore
 from lightning_sql.types import Span
@@ -57,7 +58,8 @@ async def make_proxy(
 
 
 async def spans_of(store: LightningStore, rollout_id: str, attempt_id: str | None = None) -> list[Span]:
-    return list(await store.query_spans(rollout_id, attempt_id))
+    """The calls' own spans, without the raw_gen_ai_request child a call with token ids also stores."""
+    return [s for s in await store.query_spans(rollout_id, attempt_id) if s.name != RAW_SPAN_NAME]
 
 
 async def wait_for_spans(

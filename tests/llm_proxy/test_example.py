@@ -34,3 +34,29 @@ def test_rl_proxy_example_prints_triplets_with_token_ids_and_the_sql(tmp_path: P
         await store.close()
 
     asyncio.run(check())
+
+
+def test_the_proxy_extra_brings_what_the_example_imports() -> None:
+    import tomllib
+
+    extras = tomllib.loads((EXAMPLE.parents[1] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(req.startswith("openai") for req in extras["proxy"]), extras["proxy"]
+
+
+def test_without_the_sdk_the_example_says_what_to_install(tmp_path: Path) -> None:
+    broken = tmp_path / "broken" / "openai"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'openai'\", name='openai')\n")
+    env = {"PYTHONPATH": str(broken.parent), "PATH": "/usr/bin:/bin", "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--url", f"sqlite:///{tmp_path / 'rl.db'}", "--tasks", "2"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert done.returncode != 0 and "pip install -e '.[proxy]'" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_a_rollout_without_spans_adapts_to_no_triplets() -> None:
+    from lightning_sql.runtime.adapter import TracerTraceToTriplet
+
+    assert TracerTraceToTriplet().adapt([]) == []

@@ -15,7 +15,8 @@ from lightning_sql import Baseline, LLMProxy, SqlLightningStore, Trainer
 from lightning_sql.llm_proxy.testing import StandInModelServer, reply, tokenize
 from tests.conftest import BackendSpec
 from tests.llm_proxy.agents import TripletCollector, adder
-from tests.llm_proxy.conftest import MODEL, model_entry
+from tests.llm_proxy.conftest import MODEL, model_entry, spans_of
+from tests.required import AGENTLIGHTNING, required_import
 from tests.runtime.agents import sync_agent
 
 TASKS = [{"a": a, "b": b, "stream": a % 2 == 0} for a, b in [(1, 2), (2, 5), (3, 3), (10, 7), (4, 4), (6, 1)]]
@@ -71,7 +72,7 @@ def test_agentlightning_adapter_turns_the_same_spans_into_triplets(
     tmp_path: Path, stand_in: StandInModelServer
 ) -> None:
     """Agent-Lightning's own TracerTraceToTriplet, reading through the bridge, sees the token ids and rewards."""
-    agl = pytest.importorskip("agentlightning")
+    agl = required_import("agentlightning", AGENTLIGHTNING)
     from lightning_sql.contrib.agentlightning import AgentLightningSqlStore
 
     url = f"sqlite:///{tmp_path / 'agl.db'}"
@@ -82,6 +83,7 @@ def test_agentlightning_adapter_turns_the_same_spans_into_triplets(
 
     async def check() -> None:
         bridge = AgentLightningSqlStore(url, run="agl")
+        assert len(algorithm.triplets) == 4  # one per task: a loop over none would prove nothing
         for rollout_id, ours in algorithm.triplets.items():
             spans = list(await bridge.query_spans(rollout_id, "latest"))
             theirs = agl.TracerTraceToTriplet().adapt(spans)
@@ -90,6 +92,10 @@ def test_agentlightning_adapter_turns_the_same_spans_into_triplets(
             assert theirs[0].response["token_ids"] == ours[0].response["token_ids"] != []
             assert theirs[0].reward == ours[0].reward is not None
             assert theirs[0].metadata["response_id"] == ours[0].metadata["response_id"]
+            (proxied,) = agl.LlmProxyTraceToTriplet().adapt(spans)  # the adapter of its RL examples
+            assert proxied.prompt["token_ids"] == ours[0].prompt["token_ids"]
+            assert proxied.response["token_ids"] == ours[0].response["token_ids"]
+            assert proxied.reward == ours[0].reward and proxied.metadata["response_id"] == ours[0].metadata["response_id"]
         await bridge.close()
         await trainer.store.close()  # type: ignore[attr-defined]
 
@@ -176,7 +182,7 @@ def test_sqlite_memory_store_is_fine_in_thread_mode(stand_in: StandInModelServer
         await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
         await client.close()
         await proxy.stop()
-        assert len(await store.query_spans(rollout.rollout_id)) == 1
+        assert len(await spans_of(store, rollout.rollout_id)) == 1
         await store.close()
 
     asyncio.run(go())
@@ -186,7 +192,7 @@ def test_code_written_for_agentlightning_runs_with_the_bridge_store(
     tmp_path: Path, stand_in: StandInModelServer
 ) -> None:
     """Agent-Lightning-style code: its store (the bridge), a claimed rollout, the openai SDK, its adapter."""
-    agl = pytest.importorskip("agentlightning")
+    agl = required_import("agentlightning", AGENTLIGHTNING)
     from openai import AsyncOpenAI
 
     from lightning_sql.contrib.agentlightning import AgentLightningSqlStore
@@ -207,11 +213,16 @@ def test_code_written_for_agentlightning_runs_with_the_bridge_store(
         await client.close()
         await proxy.stop()
         spans = list(await store.query_spans(claimed.rollout_id))
-        assert [s.sequence_id for s in spans] == [1, 2]
-        triplets = agl.TracerTraceToTriplet().adapt(spans)
+        assert [(s.sequence_id, s.name) for s in spans] == [
+            (1, "openai.chat.completion"), (1, "raw_gen_ai_request"), (2, "openai.chat.completion"), (2, "raw_gen_ai_request"),
+        ]
         prompt = "<|user|> What is 3 + 4? <|assistant|>"
-        assert [t.prompt["token_ids"] for t in triplets] == [tokenize(prompt)] * 2
-        assert [t.response["token_ids"] for t in triplets] == [tokenize(reply(prompt))] * 2
+        # Both of Agent-Lightning's adapters read the same calls: TracerTraceToTriplet the calls' spans,
+        # LlmProxyTraceToTriplet (its RL examples' adapter) their raw_gen_ai_request children.
+        for adapter in (agl.TracerTraceToTriplet(), agl.LlmProxyTraceToTriplet()):
+            triplets = adapter.adapt(spans)
+            assert [t.prompt["token_ids"] for t in triplets] == [tokenize(prompt)] * 2, adapter
+            assert [t.response["token_ids"] for t in triplets] == [tokenize(reply(prompt))] * 2, adapter
         await store.close()
 
     asyncio.run(go())

@@ -16,9 +16,10 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("starlette")
-pytest.importorskip("uvicorn")
-pytest.importorskip("prometheus_client")
+from tests.required import SERVER, required_import
+
+for _module in ("starlette", "uvicorn", "prometheus_client", "jinja2", "opentelemetry.proto", "google.rpc.status_pb2"):
+    required_import(_module, SERVER)
 
 import uvicorn  # noqa: E402
 

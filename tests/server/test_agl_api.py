@@ -20,10 +20,11 @@ import pytest
 
 from lightning_sql import SqlLightningStore
 from lightning_sql.server import ServerConfig
+from tests.required import AGENTLIGHTNING, required_import
 from tests.server.conftest import RUN, RunningServer, serve
 
-agl_client = pytest.importorskip("agentlightning.store.client_server")
-agl_types = pytest.importorskip("agentlightning.types")
+agl_client = required_import("agentlightning.store.client_server", AGENTLIGHTNING)
+agl_types = required_import("agentlightning.types", AGENTLIGHTNING)
 
 from aiohttp import ClientResponseError  # noqa: E402
 from opentelemetry.sdk.resources import Resource  # noqa: E402
@@ -31,7 +32,7 @@ from opentelemetry.sdk.trace import ReadableSpan  # noqa: E402
 from opentelemetry.trace import SpanContext, TraceFlags  # noqa: E402
 
 LightningStoreClient = agl_client.LightningStoreClient
-UNSET = pytest.importorskip("agentlightning.store.base").UNSET
+UNSET = required_import("agentlightning.store.base", AGENTLIGHTNING).UNSET
 
 
 def _client(server: RunningServer, **options: Any) -> Any:

@@ -58,3 +58,11 @@ def test_the_token_comes_from_the_environment(tmp_path: Path) -> None:
         assert httpx.get(base + "/v1/agl/health", timeout=10).status_code == 401
         answer = httpx.get(base + "/v1/agl/health", headers={"Authorization": "Bearer from-env"}, timeout=10)
         assert answer.status_code == 200
+
+
+def test_read_only_refuses_a_missing_sqlite_file(tmp_path: Path) -> None:
+    missing = tmp_path / "nothing-here.db"
+    result = CliRunner().invoke(serve, ["--url", f"sqlite:///{missing}", "--read-only"], env={"LIGHTNING_SQL_TOKEN": None})
+    assert result.exit_code == 2, result.output
+    assert "no SQLite database" in result.output and str(missing) in result.output.replace("\n", "")
+    assert not missing.exists() and list(tmp_path.iterdir()) == []

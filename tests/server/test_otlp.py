@@ -13,9 +13,10 @@ import httpx
 import pytest
 
 from lightning_sql import SqlLightningStore
+from tests.required import SERVER, required_import
 from tests.server.conftest import RunningServer
 
-pytest.importorskip("opentelemetry.exporter.otlp.proto.http")
+required_import("opentelemetry.exporter.otlp.proto.http", SERVER)
 
 from google.rpc.status_pb2 import Status  # noqa: E402
 from opentelemetry.exporter.otlp.proto.http import Compression  # noqa: E402
@@ -250,3 +251,62 @@ async def test_a_gzip_bomb_is_refused_after_decompression(
     assert response.status_code == 413
     assert "limit" in Status.FromString(response.content).message
     assert list(await reader().query_spans(rollout_id)) == []
+
+
+async def test_gzip_members_are_read_and_trailing_garbage_is_a_400(
+    server_factory: Callable[..., RunningServer], reader: Callable[..., SqlLightningStore]
+) -> None:
+    server = server_factory()
+    rollout_id, attempt_id = _attempt(server)
+    valid = _request([_proto_span(0)], agentlightning__rollout_id=rollout_id, agentlightning__attempt_id=attempt_id)
+    packed = gzip.compress(valid.SerializeToString())
+    garbage = _post(server, packed + b"trailing garbage", {**PROTOBUF, "Content-Encoding": "gzip"})
+    assert garbage.status_code == 400 and "trailing" in Status.FromString(garbage.content).message
+    assert list(await reader().query_spans(rollout_id)) == []
+    data = valid.SerializeToString()
+    members = gzip.compress(data[:10]) + gzip.compress(data[10:])  # RFC 1952: a gzip file may hold several
+    assert _post(server, members, {**PROTOBUF, "Content-Encoding": "gzip"}).status_code == 200
+    assert [s.name for s in await reader().query_spans(rollout_id)] == ["span-0"]
+
+
+async def test_a_sequence_id_past_64_bits_rejects_its_span_only(
+    server_factory: Callable[..., RunningServer], reader: Callable[..., SqlLightningStore]
+) -> None:
+    server = server_factory()
+    rollout_id, attempt_id = _attempt(server)
+    message = _request(
+        [
+            _proto_span(0, agentlightning__span_sequence_id=str(2**64)),
+            _proto_span(1, agentlightning__span_sequence_id=7),
+            _proto_span(2),
+        ],
+        agentlightning__rollout_id=rollout_id,
+        agentlightning__attempt_id=attempt_id,
+    )
+    response = _post(server, message.SerializeToString(), PROTOBUF)
+    assert response.status_code == 200, response.text
+    answer = ExportTraceServiceResponse.FromString(response.content)
+    assert answer.partial_success.rejected_spans == 1 and str(2**64) in answer.partial_success.error_message
+    assert sorted(s.name for s in await reader().query_spans(rollout_id)) == ["span-1", "span-2"]
+    metrics = httpx.get(server.url + "/metrics", timeout=30).text
+    assert server.metric(metrics, "lightning_sql_spans_rejected_total", reason="bad_sequence_id") == 1
+    assert "lightning_sql_database_errors_total{" not in metrics
+
+
+async def test_spans_per_request_are_capped(
+    server_factory: Callable[..., RunningServer], reader: Callable[..., SqlLightningStore]
+) -> None:
+    from lightning_sql.server.ingest import MAX_SPANS_PER_REQUEST
+
+    server = server_factory()
+    rollout_id, attempt_id = _attempt(server)
+    ids = {"agentlightning__rollout_id": rollout_id, "agentlightning__attempt_id": attempt_id}
+    over = _request([ProtoSpan(trace_id=b"\xab" * 16, span_id=(i + 1).to_bytes(8, "big"), name="s") for i in range(MAX_SPANS_PER_REQUEST + 1)], **ids)
+    response = _post(server, over.SerializeToString(), PROTOBUF)
+    assert response.status_code == 413 and str(MAX_SPANS_PER_REQUEST) in Status.FromString(response.content).message
+    assert list(await reader().query_spans(rollout_id, limit=1)) == []
+    # At the cap, stored in chunks: every span, sequence ids issued in order.
+    full = _request([_proto_span(i) for i in range(1200)], **ids)
+    assert _post(server, full.SerializeToString(), PROTOBUF).status_code == 200
+    stored = list(await reader().query_spans(rollout_id))
+    assert [s.sequence_id for s in stored] == list(range(1, 1201)) and stored[-1].name == "span-1199"

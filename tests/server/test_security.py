@@ -4,8 +4,10 @@ errors with a message instead of tracebacks."""
 
 from __future__ import annotations
 
+import sqlite3
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from urllib.parse import unquote
 
 import httpx
@@ -157,7 +159,7 @@ def test_no_cors_unless_configured(server_factory: Callable[..., RunningServer])
         answer = http.options(ENQUEUE, headers=preflight)
         assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == "http://ui.example"
         other = http.options(ENQUEUE, headers={**preflight, "Origin": "http://evil.example"})
-        assert other.headers.get("access-control-allow-origin") != "http://evil.example"
+        assert "access-control-allow-origin" not in other.headers  # neither the origin nor "*"
         assert http.get("/v1/agl/health", headers={**origin, **BEARER}).headers["access-control-allow-origin"] == (
             "http://ui.example"
         )
@@ -190,6 +192,7 @@ def test_an_unexpected_error_is_a_json_500_without_traceback(
     server_factory: Callable[..., RunningServer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     server = server_factory()
+    assert httpx.post(server.url + ENQUEUE, json={"rollouts": [{"input": 1}]}, timeout=30).status_code == 201
 
     async def broken(self: SqlLightningStore) -> None:
         raise RuntimeError("a bug in the server")
@@ -204,3 +207,129 @@ def test_an_unexpected_error_is_a_json_500_without_traceback(
 def test_binds_loopback_by_default() -> None:
     config = ServerConfig(url="sqlite://")
     assert config.host == "127.0.0.1" and config.token is None and config.cors_origins == () and not config.read_only
+
+
+async def _pg_schema_exists(schema: str) -> bool:
+    import asyncpg
+
+    conn = await asyncpg.connect(PG_URL.replace("postgresql://", "postgres://", 1), timeout=10)
+    try:
+        return bool(await conn.fetchval("SELECT count(*) FROM pg_namespace WHERE nspname = $1", schema))
+    finally:
+        await conn.close()
+
+
+def _browse(server: RunningServer) -> None:
+    """What a read-only server answers to: every page, probe and scrape (none may write)."""
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        for path in ["/healthz", "/metrics", "/", "/runs/1", "/runs/1/rollouts", "/v1/agl/statistics"]:
+            assert http.get(path).status_code in (200, 403, 404, 503), path  # 503: no schema to read
+        assert http.post(ENQUEUE, json={"rollouts": [{"input": 1}]}).status_code == 403
+
+
+async def test_a_read_only_server_creates_migrates_and_sweeps_nothing(
+    server_factory: Callable[..., RunningServer], mp_backend: BackendSpec, tmp_path: Path
+) -> None:
+    from lightning_sql import RolloutConfig
+
+    # An empty database: no schema may appear.
+    if mp_backend.is_postgres:
+        assert mp_backend.schema is not None and not await _pg_schema_exists(mp_backend.schema)
+    else:
+        sqlite3.connect(mp_backend.url.removeprefix("sqlite:///")).close()
+    _browse(server_factory(read_only=True, run="missing"))
+    if mp_backend.is_postgres:
+        assert not await _pg_schema_exists(str(mp_backend.schema))
+    else:
+        with sqlite3.connect(mp_backend.url.removeprefix("sqlite:///")) as conn:
+            assert conn.execute("SELECT count(*) FROM sqlite_master").fetchone() == (0,)
+
+    # A run whose lease expired long ago, and a --run that does not exist: nothing changes.
+    writer = SqlLightningStore(mp_backend.url, **mp_backend.options(run=RUN, clock=lambda: 1_000_000.0, clock_sync=False))
+    try:
+        await writer.enqueue_rollout({"task": 1}, config=RolloutConfig(unresponsive_seconds=1.0))
+        claimed = await writer.dequeue_rollout(worker_id="w")
+        assert claimed is not None
+    finally:
+        await writer.close()
+    _browse(server_factory(read_only=True, run="missing"))
+    _browse(server_factory(read_only=True, run=RUN))
+    check = SqlLightningStore(mp_backend.url, **mp_backend.options(run=RUN, read_only=True, create_run=False))
+    try:
+        assert [r.name for r in await check.list_runs()] == [RUN]
+        attempts = list(await check.query_attempts(claimed.rollout_id))
+        assert [(a.status, a.end_time) for a in attempts] == [("preparing", None)]
+        assert (await check.get_rollout_by_id(claimed.rollout_id)).status == "preparing"  # type: ignore[union-attr]
+    finally:
+        await check.close()
+
+
+def test_the_login_cookie_never_opens_ingestion_and_cors_answers_only_its_origins(
+    server_factory: Callable[..., RunningServer],
+) -> None:
+    server = server_factory(token=TOKEN, cors_origins=("http://ui.example",))
+    with httpx.Client(base_url=server.url, timeout=30, follow_redirects=False) as http:
+        assert http.post("/login", data={"token": TOKEN}).status_code == 303 and http.cookies
+        traces = http.post("/v1/traces", content=b"", headers={"Content-Type": "application/x-protobuf"})
+        assert traces.status_code == 401  # a logged-in browser cannot ingest spans
+        evil = {"Origin": "http://evil.example"}
+        for answer in [
+            http.options(ENQUEUE, headers={**evil, "Access-Control-Request-Method": "POST"}),
+            http.get("/v1/agl/health", headers={**evil, **BEARER}),  # a simple cross-origin request
+        ]:
+            assert "access-control-allow-origin" not in answer.headers, answer.headers
+            assert "access-control-allow-credentials" not in answer.headers
+        good = http.get("/v1/agl/health", headers={"Origin": "http://ui.example", **BEARER})
+        assert good.headers["access-control-allow-origin"] == "http://ui.example"
+
+
+def test_the_cookie_is_secure_behind_https(server_factory: Callable[..., RunningServer]) -> None:
+    server = server_factory(token=TOKEN)
+    with httpx.Client(base_url=server.url, timeout=30, follow_redirects=False) as http:
+        plain = http.post("/login", data={"token": TOKEN}).headers["set-cookie"].lower()
+        assert "secure" not in plain
+        # uvicorn takes X-Forwarded-Proto from a proxy on this host (its default forwarded_allow_ips).
+        forwarded = http.post("/login", data={"token": TOKEN}, headers={"X-Forwarded-Proto": "https"})
+        assert "; secure" in forwarded.headers["set-cookie"].lower()
+
+
+def test_the_default_body_limit_is_16_mib() -> None:
+    from lightning_sql.server.config import DEFAULT_MAX_BODY_BYTES
+
+    assert ServerConfig(url="sqlite://").max_body_bytes == DEFAULT_MAX_BODY_BYTES == 16 * 2**20
+
+
+def test_a_public_address_warns_and_max_body_mb_converts_to_bytes(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from benchmarks.server_startup import free_port
+
+    port = free_port()
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    env.pop("LIGHTNING_SQL_TOKEN", None)
+    args = ["--url", f"sqlite:///{tmp_path / 'w.db'}", "--host", "0.0.0.0", "--port", str(port), "--max-body-mb", "0.001"]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "lightning_sql.server", *args, "--log-level", "warning"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert process.poll() is None and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.05)
+        big = httpx.post(f"http://127.0.0.1:{port}{ENQUEUE}", json={"rollouts": [{"input": "x" * 2000}]}, timeout=10)
+        assert big.status_code == 413 and f"{int(0.001 * 2**20)} bytes" in big.json()["detail"]
+    finally:
+        process.terminate()
+        _out, err = process.communicate(timeout=30)
+    text = err.decode()
+    assert "warning" in text and "0.0.0.0 without a token" in text, text

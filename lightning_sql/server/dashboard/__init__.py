@@ -1,6 +1,7 @@
 """The web dashboard of ``lightning-sql serve``: read-only pages over a store's database.
 
-``Dashboard(url, schema=...)`` opens its own read-only engine (db.py) and exposes Starlette
+``Dashboard(url, schema=...)`` reads through a read-only engine (``lightning_sql.server.readonly``,
+its own unless given one) and exposes Starlette
 ``routes`` for the server to mount at ``/``; authentication is the server's, in front of them.
 """
 
@@ -12,9 +13,9 @@ from collections.abc import Callable
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from lightning_sql.server.dashboard.db import Database
 from lightning_sql.server.dashboard.pages import Pages
 from lightning_sql.server.dashboard.rendering import make_environment
+from lightning_sql.server.readonly import Database
 
 __all__ = ["Dashboard"]
 
@@ -23,8 +24,16 @@ class Dashboard:
     """Pages: ``/`` (runs), ``/runs/{id}``, ``/runs/{id}/rollouts``, ``/runs/{id}/rollouts/{rollout_id}``,
     ``/runs/{id}/spans/{span}``, ``/runs/{id}/resources``; assets under ``/static/dashboard``."""
 
-    def __init__(self, url: str, *, schema: str | None = None, clock: Callable[[], float] = time.time) -> None:
-        self.db = Database(url, schema)
+    def __init__(
+        self,
+        url: str,
+        *,
+        schema: str | None = None,
+        clock: Callable[[], float] = time.time,
+        db: Database | None = None,
+    ) -> None:
+        self._owns_db = db is None
+        self.db = Database(url, schema) if db is None else db
         self.pages = Pages(self.db, make_environment(), clock)
         p = self.pages
         self.routes: list[BaseRoute] = [
@@ -46,4 +55,5 @@ class Dashboard:
         ``/healthz`` fast, and a dashboard page is not needed for that)."""
 
     async def shutdown(self) -> None:
-        await self.db.close()
+        if self._owns_db:
+            await self.db.close()

@@ -211,8 +211,8 @@ def lanes(items: Sequence[tuple[str, str, str, float | None, float | None, int]]
     """Place (key, label, class, start, end, depth) items on a common time axis; an item without an
     end runs to the latest time seen (or ``now`` when that is later)."""
     starts = [s for _k, _l, _c, s, _e, _d in items if s is not None]
-    if not starts:
-        return [], 0.0, 0.0
+    if not starts:  # nothing to place in time: every item, without a bar
+        return [Lane(k, label, c, 0.0, 0.0, s, e, d, e is None) for k, label, c, s, e, d in items], 0.0, 0.0
     t0 = min(starts)
     ends = [e for _k, _l, _c, _s, e, _d in items if e is not None]
     t1 = max([*ends, *starts])

@@ -14,7 +14,6 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 
 from lightning_sql.server.dashboard import charts, queries
-from lightning_sql.server.dashboard.db import Database
 from lightning_sql.server.dashboard.diffs import resource_lines, side_by_side
 from lightning_sql.server.dashboard.figures import (
     BUCKETS,
@@ -25,6 +24,7 @@ from lightning_sql.server.dashboard.figures import (
 )
 from lightning_sql.server.dashboard.queries import IN_FLIGHT, PAGE_SIZE, SORTS, RolloutFilter
 from lightning_sql.server.dashboard.traces import build_tree, is_llm_call, llm_call, rewards_of
+from lightning_sql.server.readonly import Database
 
 logger = logging.getLogger(__name__)
 

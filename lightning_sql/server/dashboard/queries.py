@@ -20,6 +20,7 @@ from typing import Any
 from sqlalchemy import Integer, Select, String, and_, case, cast, func, literal, or_, select
 from sqlalchemy.sql.elements import ColumnElement
 
+from lightning_sql.server.dashboard.rendering import NAME_CHARS
 from lightning_sql.store.sql.schema import (
     attempts,
     resource_versions,
@@ -329,7 +330,7 @@ SPAN_COLUMNS = (
     spans.c.trace_id,
     spans.c.span_id,
     spans.c.parent_id,
-    spans.c.name,
+    func.substr(spans.c.name, 1, NAME_CHARS + 1).label("name"),  # the page shows NAME_CHARS
     spans.c.status_code,
     spans.c.start_time,
     spans.c.end_time,

@@ -86,6 +86,15 @@ def pretty_json(value: Any) -> str:
     return json.dumps(value, indent=2, ensure_ascii=False, sort_keys=False, default=str)
 
 
+# Characters of a name (a span's) a page shows: names are free text, and one of megabytes would
+# make every page that lists it as large.
+NAME_CHARS = 200
+
+
+def short_name(value: Any) -> str:
+    return one_line(value, NAME_CHARS)
+
+
 def one_line(value: Any, limit: int = 160) -> str:
     if value is None:
         return ""
@@ -109,5 +118,6 @@ def make_environment() -> Environment:
         num=fmt_number,
         pretty=pretty_json,
         one_line=one_line,
+        short=short_name,
     )
     return env

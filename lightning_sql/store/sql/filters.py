@@ -13,7 +13,11 @@ from typing import Any
 from sqlalchemy import ColumnElement, Table, and_, bindparam, case, false, func, literal, or_, select, true
 
 from lightning_sql.store.sql import schema as s
-from lightning_sql.types import PaginatedResult
+from lightning_sql.types import MAX_INT64, PaginatedResult
+
+# Rollouts one claim may take: the claim builds an attempt per unit of ``limit`` before it runs, so
+# an unbounded limit is memory and time spent before the database is asked (a runner takes one).
+MAX_CLAIM_LIMIT = 10_000
 
 
 @dataclass(frozen=True)
@@ -144,10 +148,18 @@ def check_pagination(limit: int, offset: int) -> None:
         raise TypeError(f"limit must be an int, got {limit!r}")
     if isinstance(offset, bool) or not isinstance(offset, int):
         raise TypeError(f"offset must be an int, got {offset!r}")
-    if limit < -1:
-        raise ValueError(f"limit must be -1 (unlimited) or >= 0, got {limit}")
-    if offset < 0:
-        raise ValueError(f"offset must be >= 0, got {offset}")
+    if not -1 <= limit <= MAX_INT64:
+        raise ValueError(f"limit must be -1 (unlimited) or in 0..{MAX_INT64}, got {limit}")
+    if not 0 <= offset <= MAX_INT64:
+        raise ValueError(f"offset must be in 0..{MAX_INT64}, got {offset}")
+
+
+def check_claim_limit(limit: int) -> None:
+    """A claim's ``limit``: an int up to ``MAX_CLAIM_LIMIT`` (zero or less claims nothing)."""
+    if isinstance(limit, bool) or not isinstance(limit, int):
+        raise TypeError(f"limit must be an int, got {limit!r}")
+    if limit > MAX_CLAIM_LIMIT:
+        raise ValueError(f"limit must be at most {MAX_CLAIM_LIMIT} rollouts per claim, got {limit}")
 
 
 def check_logic(filter_logic: str) -> None:

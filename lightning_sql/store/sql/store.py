@@ -140,8 +140,7 @@ class SqlLightningStore(StoreInstance, LightningStore):
         return result[0] if result else None
 
     async def dequeue_many_rollouts(self, *, limit: int = 1, worker_id: str | None = None) -> Sequence[AttemptedRollout]:
-        if isinstance(limit, bool) or not isinstance(limit, int):
-            raise TypeError(f"limit must be an int, got {limit!r}")
+        f.check_claim_limit(limit)
         return await self._dequeue("dequeue_many_rollouts", limit, worker_id)
 
     async def _dequeue(self, method: str, limit: int, worker_id: str | None) -> list[AttemptedRollout]:

@@ -1,9 +1,10 @@
-"""The dashboard's own read-only connection to the store's database.
+"""The server's read-only connection to the store's database: the dashboard's pages, the
+``/metrics`` gauges and the look-up of a span's run (``catalog.py``) read through it.
 
-The dashboard never migrates nor writes: SQLite files are opened with ``mode=ro`` and PostgreSQL
-sessions start with ``default_transaction_read_only``, so a bug here cannot change a run.  The pool
-holds at most two connections: pages are a handful of short queries each, and the database belongs
-to the training job first.
+It never migrates nor writes: SQLite files are opened with ``mode=ro`` and PostgreSQL sessions start
+with ``default_transaction_read_only``, so a bug here cannot change a run.  The pool holds at most
+two connections: each use is a handful of short queries, and the database belongs to the training
+job first.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def read_only_engine(url: str, schema: str | None) -> tuple[AsyncEngine, str]:
 
 
 class Database:
-    """Runs the dashboard's statements on its read-only engine."""
+    """Runs statements on a read-only engine."""
 
     def __init__(self, url: str, schema: str | None) -> None:
         self.engine, self.dialect = read_only_engine(url, schema)
