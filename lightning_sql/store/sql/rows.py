@@ -30,10 +30,10 @@ from lightning_sql.types import (
     SpanContext,
     TraceStatus,
     Worker,
+    check_json,
     check_text,
     encode_json,
 )
-from lightning_sql.types.jsonvalue import json_text
 
 R, A, W, S = s.rollouts, s.attempts, s.workers, s.spans
 
@@ -285,21 +285,32 @@ def _plain_context(context: Any) -> bool:
     )
 
 
+_IN_EXTRA = frozenset(SPAN_EXTRA_FIELDS)
+
+
 def _extra_json(span: Span) -> str | None:
     """The ``extra`` column of a span: its status, context and parent, and its extra fields.  When
     every leaf of the first three is checked here (what a tracer's spans hold: plain texts, a
-    bool) and there are no extra fields, it is encoded without the walk of ``encode_json``."""
+    bool) and there are no extra fields, pydantic-core encodes them (no walk of ``encode_json``)."""
     status, context, parent = span.status, span.context, span.parent
+    if not span.model_extra and _plain_status(status) and _plain_context(context) and _plain_context(parent):
+        return span.model_dump_json(include=_IN_EXTRA)
     extra: dict[str, Any] = {
         "status": _dumped(status, TraceStatus),
         "context": _dumped(context, SpanContext),
         "parent": _dumped(parent, SpanContext),
+        **(span.model_extra or {}),
     }
-    if span.model_extra:
-        extra.update(span.model_extra)
-    elif _plain_status(status) and _plain_context(context) and _plain_context(parent):
-        return json_text(extra, "span.extra")
     return encode_json(extra, "span.extra")
+
+
+def _resource_json(resource: Any) -> str | None:
+    """The ``resource`` column: an ``OtelResource`` without extras is checked (its attributes
+    walked, as ``encode_json`` does) and encoded by pydantic-core; anything else is dumped."""
+    if type(resource) is OtelResource and not resource.model_extra and _plain_text(resource.schema_url):
+        check_json(resource.attributes, "span.resource.attributes")
+        return resource.model_dump_json()
+    return encode_json(_dumped(resource, OtelResource), "span.resource")
 
 
 def span_values(span: Span, run_id: int) -> dict[str, Any]:
@@ -328,7 +339,7 @@ def span_values(span: Span, run_id: int) -> dict[str, Any]:
         "attributes": encode_json(span.attributes, "span.attributes"),
         "events": _EMPTY_LIST_JSON if events == [] else encode_json([e.model_dump() for e in events], "span.events"),
         "links": _EMPTY_LIST_JSON if links == [] else encode_json([link.model_dump() for link in links], "span.links"),
-        "resource": encode_json(_dumped(span.resource, OtelResource), "span.resource"),
+        "resource": _resource_json(span.resource),
         "extra": _extra_json(span),
     }
 
