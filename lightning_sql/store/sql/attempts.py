@@ -15,7 +15,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from sqlalchemy import Float, Integer, Text, and_, case, literal, null, or_, select, update
+from sqlalchemy import Float, Integer, Text, and_, case, literal, or_, select, update
 
 from lightning_sql.store.sql import dialect as d
 from lightning_sql.store.sql import filters as f
@@ -170,7 +170,7 @@ def decided(dialect: str, keys: Any, rollout: Any, attempt: Any, run_id: Any, *,
         and_(given["worker_id"], k.c.worker_id != ""),
         and_(given["status"], worker_id.isnot(None), worker_id != ""),
     )
-    worker_status = case(
+    worker_status = case(  # workers.following
         (f.one_of(status, ("succeeded", "failed")), "idle"), (f.one_of(status, ("timeout", "unresponsive")), "unknown"), else_="busy"
     )
     rollout_on = [rollout.c.rollout_id == k.c.rollout_id]
@@ -221,26 +221,3 @@ def decided(dialect: str, keys: Any, rollout: Any, attempt: Any, run_id: Any, *,
 def _flag(condition: Any) -> Any:
     """A condition as 1/0 (NULL counts as 0): the same in both dialects' rows."""
     return case((condition, 1), else_=0)
-
-
-def worker_values(row: Any) -> dict[str, Any]:
-    """The worker columns a decided row writes (``workers.worker_following``)."""
-    now = row["now"]
-    if row["worker_status"] == "busy":
-        return {
-            "status": "busy",
-            "last_busy_time": now,
-            "last_idle_time": None,
-            "current_rollout_id": row["rollout_id"],
-            "current_attempt_id": row["attempt_id"],
-        }
-    return {
-        "status": row["worker_status"],
-        "last_busy_time": None,
-        "last_idle_time": now,
-        "current_rollout_id": None,
-        "current_attempt_id": None,
-    }
-
-
-_NULL = null()

@@ -20,8 +20,7 @@ table of a few thousand rows looks cheaper than the look-ups; with the LIMIT it 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from sqlalchemy import (
@@ -334,16 +333,3 @@ def named_attempts(ctx: UnitContext, keys: Sequence[tuple[int, str, str]]) -> Co
         A.c.run_id == named.c.run_id, A.c.rollout_id == named.c.rollout_id, A.c.attempt_id == named.c.attempt_id
     )
 
-
-@dataclass(frozen=True)
-class Write:
-    """One prebuilt write statement (``build()``, cached under ``key``) and its parameters.  Writes that
-    go together must name their parameters apart (a prefix per statement)."""
-
-    key: Hashable
-    build: Callable[[], Any]
-    params: dict[str, Any]
-
-    def execute(self, ctx: UnitContext) -> Any:
-        """Run this write alone."""
-        return ctx.execute(cached(self.key, self.build), self.params)

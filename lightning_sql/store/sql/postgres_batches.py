@@ -273,23 +273,18 @@ def _span_statement(allocate: bool) -> Any:
     )
     bad = select(checks.c.call).where(or_(checks.c.found_rollout.is_(None), checks.c.found_attempt.is_(None)))
     ok_groups = select(checks).where(checks.c.call.not_in(bad)).cte("ok_groups")
-    # The first occurrence of each span key among the calls that did not fail (p.n: input order).
-    first = (
-        select(rows)
-        .where(rows.c.call.not_in(bad))
-        .distinct(rows.c.rollout_id, rows.c.attempt_id, rows.c.span_id)
-        .order_by(rows.c.rollout_id, rows.c.attempt_id, rows.c.span_id, rows.c.n)
-        .subquery("first")
-    )
-    sequence = locked_r.c.span_seq + 1 if allocate else first.c.sequence_id
+    # The rows of the calls that did not fail, in input order: a key's first occurrence is inserted,
+    # a later one meets it in the unique index and is skipped (ON CONFLICT DO NOTHING).
+    given = select(rows).where(rows.c.call.not_in(bad)).subquery("given")
+    sequence = locked_r.c.span_seq + 1 if allocate else given.c.sequence_id
     values = [
         _RUN,
         *(
             sequence
             if name == "sequence_id"
-            else cast(first.c[name], JSONB)
+            else cast(given.c[name], JSONB)
             if isinstance(S.c[name].type, s.JsonValue)
-            else first.c[name]
+            else given.c[name]
             for name in _SPAN_VALUE_COLUMNS
         ),
     ]
@@ -297,10 +292,9 @@ def _span_statement(allocate: bool) -> Any:
         d.insert(PG, S)
         .from_select(
             ["run_id", *_SPAN_VALUE_COLUMNS],
-            # In input order: equal sequence ids keep it (the surrogate key breaks ties).
             select(*values)
-            .select_from(first.join(locked_r, locked_r.c.rollout_id == first.c.rollout_id))
-            .order_by(first.c.n),
+            .select_from(given.join(locked_r, locked_r.c.rollout_id == given.c.rollout_id))
+            .order_by(given.c.n),
         )
         .on_conflict_do_nothing()
         .returning(S.c.rollout_id, S.c.attempt_id, S.c.span_id, S.c.sequence_id)

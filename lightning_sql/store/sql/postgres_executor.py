@@ -83,6 +83,7 @@ class PostgresExecutor(Executor):
         self._listener: Any = None
         self._background: set[asyncio.Task[Any]] = set()
         self._held: set[AsyncConnection] = set()  # the lanes' connections
+        self._drivers: dict[AsyncConnection, Any] = {}  # their asyncpg connections
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"lightning-sql-pg[{target.masked}]", daemon=True)
         self._thread.start()
 
@@ -158,15 +159,12 @@ class PostgresExecutor(Executor):
         task.add_done_callback(self._background.discard)
 
     async def _lane(self) -> None:
-        """Run batches while calls wait, on a connection held for as long as there is work."""
+        """Run batches while calls wait, on one connection the lane keeps (the pool's ``pool_size``
+        connections are the lanes': a lane that meets a broken one takes a new one)."""
         assert self._work is not None and self._engine is not None
         conn: AsyncConnection | None = None
         while not self.closed:
             if not self._pending:
-                if conn is not None:
-                    self._held.discard(conn)
-                    await self._release(conn)
-                    conn = None
                 self._work.clear()
                 await self._work.wait()
                 continue
@@ -177,6 +175,7 @@ class PostgresExecutor(Executor):
                 self._held.add(conn)
 
     async def _release(self, conn: AsyncConnection) -> None:
+        self._drivers.pop(conn, None)
         try:
             await conn.close()
         except Exception:  # noqa: BLE001 - the pool replaces it
@@ -222,6 +221,7 @@ class PostgresExecutor(Executor):
         return conn
 
     async def _drop(self, conn: AsyncConnection) -> None:
+        self._drivers.pop(conn, None)
         try:
             await conn.invalidate()
             await conn.close()
@@ -237,7 +237,9 @@ class PostgresExecutor(Executor):
             else:
                 head.outcome = await self._unit(conn, head, batch)
             return
-        raw = (await conn.get_raw_connection()).driver_connection
+        raw = self._drivers.get(conn)
+        if raw is None:  # looked up once per connection: each look-up is a greenlet switch
+            raw = self._drivers[conn] = (await conn.get_raw_connection()).driver_connection
         assert raw is not None
         if self.pooled:
             # Behind a transaction pooler a statement's parse and execution must share a transaction.

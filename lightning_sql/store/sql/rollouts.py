@@ -26,7 +26,7 @@ from lightning_sql.store.sql.rows import (
     rollout_from_row,
 )
 from lightning_sql.store.sql.statements import cached
-from lightning_sql.store.sql.workers import sync_worker
+from lightning_sql.store.sql.workers import follow, following
 from lightning_sql.types import (
     FINISHED_STATUSES,
     QUEUED_STATUSES,
@@ -150,7 +150,7 @@ def insert_attempt(
     """Insert a fresh ``preparing`` attempt and make its worker, if any, busy on it."""
     ctx.execute(A.insert().values(**attempt_row(run_id, rollout_id, attempt_id, seq, worker_id, now)))
     if worker_id:  # upstream's worker sync skips a falsy id
-        sync_worker(ctx, run_id, now, worker_id, "preparing", rollout_id, attempt_id, claim=False).execute(ctx)
+        follow(ctx, following(run_id, worker_id, "preparing", now, rollout_id, attempt_id))
 
 
 _LATEST_RESOURCES = (

@@ -113,9 +113,7 @@ NOT_FIELDS = {
 }
 
 ROLLOUT_COLUMNS = [*ROLLOUT_FIELDS.values(), *CONFIG_FIELDS.values()]
-ATTEMPT_COLUMNS = list(ATTEMPT_FIELDS.values())
 SPAN_COLUMNS = [*SPAN_FIELDS.values(), S.c.extra]
-SPAN_JSON_FIELDS = ("attributes", "events", "links", "resource", "extra")
 
 
 def json_deserializer(text: str | bytes) -> Any:
@@ -143,12 +141,9 @@ def _mapping(row: Any) -> Any:
 
 def config_from(row: Any) -> RolloutConfig:
     m = _mapping(row)
-    return RolloutConfig.model_construct(
-        timeout_seconds=m["timeout_seconds"],
-        unresponsive_seconds=m["unresponsive_seconds"],
-        max_attempts=m["max_attempts"],
-        retry_condition=list(m["retry_condition"] or []),
-    )
+    fields = {name: m[name] for name in CONFIG_FIELDS}
+    fields["retry_condition"] = list(fields["retry_condition"] or [])
+    return RolloutConfig.model_construct(**fields)
 
 
 def config_copy(config: RolloutConfig) -> RolloutConfig:
@@ -156,32 +151,18 @@ def config_copy(config: RolloutConfig) -> RolloutConfig:
 
 
 def rollout_fields(m: Any) -> dict[str, Any]:
-    return {
-        "rollout_id": m["rollout_id"],
-        "input": m["input"],
-        "start_time": m["start_time"],
-        "end_time": m["end_time"],
-        "mode": m["mode"],
-        "resources_id": m["resources_id"],
-        "status": m["status"],
-        "config": config_from(m),
-        "metadata": m["metadata"],
-        "resources_version": m["resources_version"],
-        "idempotency_key": m["idempotency_key"],
-    }
+    fields = {name: m[name] for name in ROLLOUT_FIELDS}
+    fields["config"] = config_from(m)
+    return fields
 
 
 def rollout_from_row(row: Row[Any] | Any) -> Rollout:
     return attempted(row, None)  # type: ignore[return-value]
 
 
-_ATTEMPT_FIELDS = tuple(Attempt.model_fields)
-_WORKER_FIELDS = tuple(Worker.model_fields)
-
-
 def attempt_from_row(row: Row[Any] | Any) -> Attempt:
     m = _mapping(row)
-    return Attempt.model_construct(**{name: m[name] for name in _ATTEMPT_FIELDS})
+    return Attempt.model_construct(**{name: m[name] for name in ATTEMPT_FIELDS})
 
 
 def attempted(rollout_row: Any, attempt: Attempt | None) -> Rollout | AttemptedRollout:
@@ -194,7 +175,7 @@ def attempted(rollout_row: Any, attempt: Attempt | None) -> Rollout | AttemptedR
 
 def worker_from_row(row: Row[Any] | Any) -> Worker:
     m = _mapping(row)
-    return Worker.model_construct(**{name: m[name] for name in _WORKER_FIELDS})
+    return Worker.model_construct(**{name: m[name] for name in WORKER_FIELDS})
 
 
 def resources_from_row(row: Row[Any] | Any) -> ResourcesUpdate:
@@ -223,17 +204,6 @@ def run_from_row(row: Row[Any] | Any) -> Run:
 
 # --- spans ------------------------------------------------------------------------------------
 
-_SPAN_COLUMN_FIELDS = (
-    "rollout_id",
-    "attempt_id",
-    "sequence_id",
-    "trace_id",
-    "span_id",
-    "parent_id",
-    "name",
-    "start_time",
-    "end_time",
-)
 
 
 def _checked_id(value: Any, field: str) -> None:
@@ -285,7 +255,7 @@ def _plain_context(context: Any) -> bool:
     )
 
 
-_IN_EXTRA = frozenset(SPAN_EXTRA_FIELDS)
+_IN_EXTRA: set[str] = set(SPAN_EXTRA_FIELDS)
 
 
 def _extra_json(span: Span) -> str | None:

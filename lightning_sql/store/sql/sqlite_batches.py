@@ -26,7 +26,7 @@ from lightning_sql.store.sql import spans as sp
 from lightning_sql.store.sql.executor import Batch
 from lightning_sql.store.sql.rows import ROLLOUT_COLUMNS, json_deserializer
 from lightning_sql.store.sql.statements import compiled, statement_log
-from lightning_sql.store.sql.workers import batch_worker_upsert
+from lightning_sql.store.sql.workers import batch_worker_upsert, following
 
 R, A, S = s.rollouts, s.attempts, s.spans
 SQLITE = "sqlite"
@@ -44,12 +44,15 @@ class Db:
     def __init__(self, driver: sqlite3.Connection) -> None:
         self.driver = driver
 
-    def rows(self, key: Hashable, build: Callable[[], Any], params: dict[str, Any]) -> list[dict[str, Any]]:
-        """The rows of a statement as dicts, JSON columns decoded."""
+    def rows(
+        self, key: Hashable, build: Callable[[], Any], params: dict[str, Any] | None = None, values: list[Any] | None = None
+    ) -> list[dict[str, Any]]:
+        """The rows of a statement as dicts, JSON columns decoded: its parameters by name, or with
+        ``values`` already in the statement's order."""
         stmt = compiled(SQLITE, None, key, build)
         cursor = self.driver.cursor()
         cursor.row_factory = sqlite3.Row
-        bound = stmt.named(params)
+        bound = stmt.positional(params or {}) if values is None else values
         if statement_log.isEnabledFor(10):
             statement_log.debug("%s %r", stmt.sql, bound)
         out = []
@@ -68,7 +71,7 @@ class Db:
         if not params:
             return
         stmt = compiled(SQLITE, None, key, build)
-        bound = [stmt.named(p) for p in params]
+        bound = [stmt.positional(p) for p in params]
         if statement_log.isEnabledFor(10):
             statement_log.debug("%s %r", stmt.sql, bound)
         self.driver.executemany(stmt.sql, bound)
@@ -233,10 +236,10 @@ _SPAN_VALUE_COLUMNS = [c.name for c in S.c if c.name not in ("id", "run_id")]
 
 
 def _span_insert(rows: int) -> Any:
-    """A multi-row INSERT of ``rows`` spans, skipping the keys already stored (``<column>_<i>``)."""
-    values: list[dict[str, Any]] = [
-        {name: bindparam(f"{name}_{i}") for name in ("run_id", *_SPAN_VALUE_COLUMNS)} for i in range(rows)
-    ]
+    """A multi-row INSERT of ``rows`` spans, skipping the keys already stored; its parameters are
+    ``<column>_<i>``, row by row in column order (``add_spans`` binds them in that order)."""
+    names = ("run_id", *_SPAN_VALUE_COLUMNS)
+    values: list[dict[str, Any]] = [{name: bindparam(f"{name}_{i}") for name in names} for i in range(rows)]
     return (
         d.insert(SQLITE, S)
         .values(values)
@@ -275,9 +278,9 @@ def add_spans(db: Db, batch: Batch) -> sp.SpanInsert:
     for start in range(0, len(rows), SPAN_INSERT_CHUNK):
         chunk = rows[start : start + SPAN_INSERT_CHUNK]
         size = len(chunk)
-        values = {f"{name}_{i}": row[name] for i, row in enumerate(chunk) for name in _SPAN_VALUE_COLUMNS}
-        values.update({f"run_id_{i}": run_id for i in range(size)})
-        for stored in db.rows(("sqlite_span_insert", size), partial(_span_insert, size), values):
+        # In the statement's order: row by row, run_id then the value columns (_span_insert).
+        values = [value for row in chunk for value in (run_id, *(row[name] for name in _SPAN_VALUE_COLUMNS))]
+        for stored in db.rows(("sqlite_span_insert", size), partial(_span_insert, size), values=values):
             result.inserted[(stored["rollout_id"], stored["attempt_id"], stored["span_id"])] = stored["sequence_id"]
     # Each rollout's new counter, and each (rollout, attempt) that inserted a span: its heartbeat at
     # the latest now of its calls, and the highest such attempt's sequence id (the promotion).
@@ -382,15 +385,7 @@ def update_attempts(db: Db, batch: Batch) -> list[dict[str, Any]]:
             if row["enters_queue"]:
                 batch.announce("queued")
         if row["worker_sync"]:
-            values = at.worker_values(row)
-            workers.append(
-                {
-                    "w_run_id": run_id,
-                    "w_worker_id": row["worker_id"],
-                    "w_last_dequeue_time": None,
-                    **{f"w_{name}": value for name, value in values.items()},
-                }
-            )
+            workers.append(following(run_id, row["worker_id"], row["status"], row["now"], row["rollout_id"], row["attempt_id"]))
     db.execute("sqlite_attempt_write", _write_attempt, attempt_writes)
     db.execute("sqlite_attempt_rollout", _write_rollout, rollout_writes)
     db.execute("sqlite_attempt_workers", lambda: batch_worker_upsert(SQLITE, "follow", None), workers)

@@ -17,119 +17,50 @@ from lightning_sql.types import PaginatedResult, Worker, is_storable_text
 W = s.workers
 
 
-def _upsert_statement(
-    dialect: str, insert_cols: tuple[str, ...], update_set: tuple[tuple[str, Any], ...], prefix: str
-) -> Any:
-    """INSERT ... ON CONFLICT (run_id, worker_id) DO UPDATE, with ``<prefix><col>`` placeholders."""
-    run_id: Any = bindparam(f"{prefix}run_id")
+def _heartbeat(dialect: str, with_stats: bool) -> Any:
+    """``update_worker``: the worker row created, or only its heartbeat columns written."""
+    run_id: Any = bindparam("w_run_id")
+    columns = ("status", "last_heartbeat_time", *(("heartbeat_stats",) if with_stats else ()))
     stmt = d.insert(dialect, W).values(
         run_id=run_id,
-        worker_id=bindparam(f"{prefix}worker_id"),
+        worker_id=bindparam("w_worker_id"),
         create_seq=d.next_create_seq(dialect, W, run_id),
-        **{col: bindparam(f"{prefix}{col}") for col in insert_cols},
+        **{col: bindparam(f"w_{col}") for col in columns},
     )
-    excluded = stmt.excluded
-    set_ = {col: (excluded[col] if how == "excluded" else how(excluded)) for col, how in update_set}
-    return stmt.on_conflict_do_update(index_elements=[W.c.run_id, W.c.worker_id], set_=set_)
-
-
-def _upsert(
-    ctx: UnitContext,
-    run_id: int,
-    worker_id: str,
-    insert_values: dict[str, Any],
-    update_set: tuple[tuple[str, Any], ...],
-    prefix: str = "w_",
-) -> d.Write:
-    """Creating the worker row, or updating only the columns of ``update_set`` (a prebuilt statement
-    whose parameters are named ``<prefix><col>``)."""
-    insert_cols = tuple(insert_values)
-    dialect = ctx.dialect
-    params = {f"{prefix}{col}": value for col, value in insert_values.items()}
-    params[f"{prefix}run_id"] = run_id
-    params[f"{prefix}worker_id"] = worker_id
-    return d.Write(
-        ("worker_upsert", dialect, insert_cols, update_set, prefix),
-        lambda: _upsert_statement(dialect, insert_cols, update_set, prefix),
-        params,
+    taken = columns[1:]  # an existing worker keeps its status (docs/store-contract.md §2.14)
+    return stmt.on_conflict_do_update(
+        index_elements=[W.c.run_id, W.c.worker_id], set_={col: stmt.excluded[col] for col in taken}
     )
 
 
-def _take(*cols: str) -> tuple[tuple[str, Any], ...]:
-    return tuple((col, "excluded") for col in cols)
-
-
-_HEARTBEAT = _take("last_heartbeat_time")
-_HEARTBEAT_STATS = _take("last_heartbeat_time", "heartbeat_stats")
-
-
-def _idle_time_unless_idle(excluded: Any) -> Any:
-    # An already idle worker keeps its last_idle_time (docs/store-contract.md §2.4).
-    return case((W.c.status == "idle", W.c.last_idle_time), else_=excluded.last_idle_time)
-
-
-_IDLE_ON_EMPTY = (
-    ("last_dequeue_time", "excluded"),
-    ("last_idle_time", _idle_time_unless_idle),
-    ("status", "excluded"),
-)
-
-
-def idle_on_empty_queue(ctx: UnitContext, run_id: int, now: float, worker_id: str) -> d.Write:
-    """A worker that found nothing to claim: idle (unless already idle), ``last_dequeue_time = now``
-    (a write: run it with ``.execute(ctx)``, or with others)."""
-    values = {"status": "idle", "last_idle_time": now, "last_dequeue_time": now}
-    return _upsert(ctx, run_id, worker_id, values, _IDLE_ON_EMPTY)
-
-
-def sync_worker(
-    ctx: UnitContext,
-    run_id: int,
-    now: float,
-    worker_id: str,
-    attempt_status: str,
-    rollout_id: str,
-    attempt_id: str,
-    *,
-    claim: bool,
-) -> d.Write:
-    """Making the worker row follow an attempt it runs (writes only the listed fields; an upsert): run
-    it with ``.execute(ctx)``."""
-    values = worker_following(now, attempt_status, rollout_id, attempt_id, claim=claim)
-    return write_worker(ctx, run_id, worker_id, values)
-
-
-def worker_following(
-    now: float, attempt_status: str, rollout_id: str, attempt_id: str, *, claim: bool
-) -> dict[str, Any]:
-    """The columns of a worker row that follow an attempt it runs, now in ``attempt_status``."""
-    if attempt_status in ("succeeded", "failed"):
-        return {"status": "idle", "last_idle_time": now, "current_rollout_id": None, "current_attempt_id": None}
-    if attempt_status in ("timeout", "unresponsive"):
-        return {"status": "unknown", "last_idle_time": now, "current_rollout_id": None, "current_attempt_id": None}
-    values: dict[str, Any] = {
-        "status": "busy",
-        "last_busy_time": now,
-        "current_rollout_id": rollout_id,
-        "current_attempt_id": attempt_id,
+def following(run_id: int, worker_id: str, attempt_status: str, now: float, rollout_id: str, attempt_id: str) -> dict[str, Any]:
+    """The parameters of ``batch_worker_upsert(..., "follow", None)`` for a worker whose attempt is
+    now in ``attempt_status``: idle after success or failure, unknown after a timeout or an
+    unresponsive lease, otherwise busy on it (§2.14)."""
+    busy = attempt_status not in ("succeeded", "failed", "timeout", "unresponsive")
+    status = "busy" if busy else "idle" if attempt_status in ("succeeded", "failed") else "unknown"
+    return {
+        "w_run_id": run_id,
+        "w_worker_id": worker_id,
+        "w_status": status,
+        "w_last_busy_time": now if busy else None,
+        "w_last_idle_time": None if busy else now,
+        "w_last_dequeue_time": None,
+        "w_current_rollout_id": rollout_id if busy else None,
+        "w_current_attempt_id": attempt_id if busy else None,
     }
-    if claim:
-        values["last_dequeue_time"] = now
-    return values
 
 
-def write_worker(ctx: UnitContext, run_id: int, worker_id: str, values: dict[str, Any], prefix: str = "w_") -> d.Write:
-    """Creating the worker row with ``values``, or writing only those columns into it (an upsert;
-    ``prefix`` names its parameters apart from those of other writes in the same statement).
-    Successive writes of one worker are one write of their merged values, later ones winning."""
-    return _upsert(ctx, run_id, worker_id, values, _take(*values), prefix)
+def follow(ctx: UnitContext, params: dict[str, Any]) -> None:
+    """Write ``following(...)`` into the worker's row, in a unit."""
+    ctx.execute(cached(("worker_follow", ctx.dialect), lambda: batch_worker_upsert(ctx.dialect, "follow", None)), params)
 
 
 # --- the worker rows of a batch ------------------------------------------------------------------
 
 # What a batch writes into its workers' rows, one statement for every row of the batch:
 # * ``claimed`` (a claim): busy on the call's last claim, or idle when it claimed nothing (§2.4);
-# * ``follow`` (an attempt update): the columns of ``worker_following`` for the attempt's status.
+# * ``follow`` (an attempt update): the columns of ``following`` for the attempt's status.
 WORKER_WRITE_COLUMNS = ("status", "last_busy_time", "last_idle_time", "last_dequeue_time", "current_rollout_id", "current_attempt_id")
 
 
@@ -179,10 +110,10 @@ def batch_worker_upsert(dialect: str, kind: str, source: Any | None) -> Any:
 def update_worker(
     ctx: UnitContext, run_id: int, now: float, worker_id: str, stats: EncodedJson | None, stats_given: bool
 ) -> Worker:
-    values: dict[str, Any] = {"status": "unknown", "last_heartbeat_time": now}
+    params = {"w_run_id": run_id, "w_worker_id": worker_id, "w_status": "unknown", "w_last_heartbeat_time": now}
     if stats_given:
-        values["heartbeat_stats"] = stats
-    _upsert(ctx, run_id, worker_id, values, _HEARTBEAT_STATS if stats_given else _HEARTBEAT).execute(ctx)
+        params["w_heartbeat_stats"] = stats
+    ctx.execute(cached(("worker_heartbeat", ctx.dialect, stats_given), lambda: _heartbeat(ctx.dialect, stats_given)), params)
     worker = get_worker(ctx, run_id, worker_id)
     assert worker is not None
     return worker
