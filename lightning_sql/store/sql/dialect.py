@@ -333,3 +333,50 @@ def named_attempts(ctx: UnitContext, keys: Sequence[tuple[int, str, str]]) -> Co
         A.c.run_id == named.c.run_id, A.c.rollout_id == named.c.rollout_id, A.c.attempt_id == named.c.attempt_id
     )
 
+
+
+# The analysis views' SQL that differs per dialect (views.py fills ``{c}`` a column, ``{k}``/``{k2}``
+# keys, and the reward pieces' names; only module constants, never user input).  JSON values of
+# the wrong type read as NULL rather than failing the query.
+VIEW_SQL: dict[str, dict[str, str]] = {
+    "postgresql": {
+        "text": "({c} ->> '{k}')",
+        "nested_text": "({c} -> '{k}' ->> '{k2}')",
+        "number": "(CASE WHEN jsonb_typeof({c} -> '{k}') = 'number' THEN ({c} ->> '{k}')::double precision END)",
+        "integer": "(CASE WHEN jsonb_typeof({c} -> '{k}') = 'number' THEN round(({c} ->> '{k}')::numeric)::bigint END)",
+        "has_key_prefix": "EXISTS (SELECT 1 FROM jsonb_object_keys(CASE WHEN jsonb_typeof({c}) = 'object' "
+        "THEN {c} END) AS k(key) WHERE substr(k.key, 1, {n}) = '{k}')",
+        "contains": "strpos({c}, '{k}') > 0",
+        "reward_source": """FROM {ns}spans sp
+JOIN {ns}runs ru ON ru.run_id = sp.run_id
+CROSS JOIN LATERAL jsonb_each(CASE WHEN jsonb_typeof(sp.attributes) = 'object' THEN sp.attributes END) AS kv(key, value)
+CROSS JOIN LATERAL (SELECT substr(kv.key, {after}, greatest(length(kv.key) - {less}, 0)) AS dim) AS d
+WHERE sp.name = '{span}'
+  AND kv.key LIKE 'agentlightning.reward.%.value'
+  AND d.dim ~ '^[0-9]+$'""",
+        "reward_dim": "d.dim",
+        "reward_dimension": "d.dim::integer",
+        "reward_name": "(sp.attributes ->> ('{prefix}' || d.dim || '.name'))",
+        "reward_value": "(CASE WHEN jsonb_typeof(kv.value) = 'number' THEN (kv.value #>> '{{}}')::double precision END)",
+    },
+    "sqlite": {
+        "text": "json_extract({c}, '$.\"{k}\"')",
+        "nested_text": "json_extract({c}, '$.\"{k}\".\"{k2}\"')",
+        "number": "(CASE WHEN json_type({c}, '$.\"{k}\"') IN ('integer', 'real') "
+        "THEN CAST(json_extract({c}, '$.\"{k}\"') AS REAL) END)",
+        "integer": "(CASE WHEN json_type({c}, '$.\"{k}\"') IN ('integer', 'real') "
+        "THEN CAST(round(json_extract({c}, '$.\"{k}\"')) AS INTEGER) END)",
+        "has_key_prefix": "EXISTS (SELECT 1 FROM json_each({c}) AS k WHERE substr(k.key, 1, {n}) = '{k}')",
+        "contains": "instr({c}, '{k}') > 0",
+        "reward_source": """FROM {ns}spans sp
+JOIN {ns}runs ru ON ru.run_id = sp.run_id
+JOIN json_each(sp.attributes) AS kv
+WHERE sp.name = '{span}'
+  AND kv.key GLOB 'agentlightning.reward.[0-9]*.value'
+  AND substr(kv.key, {after}, length(kv.key) - {less}) NOT GLOB '*[^0-9]*'""",
+        "reward_dim": "substr(kv.key, {after}, length(kv.key) - {less})",
+        "reward_dimension": "CAST({dim} AS INTEGER)",
+        "reward_name": "json_extract(sp.attributes, '$.\"{prefix}' || {dim} || '.name\"')",
+        "reward_value": "(CASE WHEN kv.type IN ('integer', 'real') THEN CAST(kv.value AS REAL) END)",
+    },
+}

@@ -29,7 +29,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy import insert as core_insert
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.dialects.postgresql import JSONB, distinct_on
 
 from lightning_sql.store.sql import attempts as at
 from lightning_sql.store.sql import claims as cl
@@ -129,7 +129,7 @@ def _claim_statement() -> Any:
     # Each call's worker: busy on its last claim, or idle when it claimed nothing (claims.Claim).
     last = (
         select(assigned.c.call, assigned.c.rollout_id, assigned.c.attempt_id)
-        .distinct(assigned.c.call)
+        .ext(distinct_on(assigned.c.call))
         .order_by(assigned.c.call, assigned.c.pos.desc())
         .cte("last_claims")
     )
@@ -429,7 +429,7 @@ def _update_statement() -> Any:
             case((busy, dec.c.attempt_id), else_=null()).label("current_attempt_id"),
         )
         .where(dec.c.worker_sync == 1, dec.c.attempt_id.isnot(None))
-        .distinct(dec.c.worker_id)
+        .ext(distinct_on(dec.c.worker_id))
         .order_by(dec.c.worker_id, dec.c.n.desc())  # several calls of one worker: the last one's write
     )
     workers_written = batch_worker_upsert(PG, "follow", worker_rows).returning(W.c.worker_id).cte("workers_written")

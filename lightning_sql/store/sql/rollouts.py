@@ -20,6 +20,7 @@ from lightning_sql.store.sql.executor import Batch, EncodedJson, Operation, Unit
 from lightning_sql.store.sql.rows import (
     ATTEMPT_FIELDS,
     ROLLOUT_COLUMNS,
+    as_mapping,
     attempt_from_row,
     attempted,
     config_copy,
@@ -313,11 +314,7 @@ ATTEMPT_BY_ID = select(A).where(
     A.c.rollout_id == bindparam("r_rollout_id"),
     A.c.attempt_id == bindparam("r_attempt_id"),
 )
-ATTEMPT_BY_SEQ = select(A).where(
-    A.c.run_id == bindparam("r_run_id"),
-    A.c.rollout_id == bindparam("r_rollout_id"),
-    A.c.sequence_id == bindparam("r_sequence_id"),
-)
+
 
 
 def find_attempt(ctx: UnitContext, run_id: int, rollout_id: str, attempt_id: str) -> Attempt | None:
@@ -381,26 +378,21 @@ def update_rollout(
     return rollout_from_row(new_row)
 
 
-def latest_attempts(ctx: UnitContext, run_id: int, rows: Sequence[Any]) -> dict[str, Attempt]:
-    """The latest attempt of each rollout row (one query for all of them)."""
-    pairs = [(row.rollout_id, row.attempt_count) for row in rows if row.attempt_count > 0]
-    if not pairs:
-        return {}
-    out: dict[str, Attempt] = {}
-    if len(pairs) == 1:
-        ((rid, seq),) = pairs
-        arow = ctx.execute(ATTEMPT_BY_SEQ, {"r_run_id": run_id, "r_rollout_id": rid, "r_sequence_id": seq}).first()
-        if arow is not None:
-            out[arow.rollout_id] = attempt_from_row(arow)
-        return out
-    for arow in d.attempts_by_sequence(ctx, run_id, pairs):
-        out[arow.rollout_id] = attempt_from_row(arow)
-    return out
+# A rollout with its latest attempt, whose columns read as ``a_<field>`` (``latest_attempt``).
+_LATEST = A.alias("latest")
+_WITH_LATEST = R.outerjoin(
+    _LATEST,
+    and_(_LATEST.c.run_id == R.c.run_id, _LATEST.c.rollout_id == R.c.rollout_id, _LATEST.c.sequence_id == R.c.attempt_count),
+)
+_LATEST_COLUMNS = [_LATEST.c[name].label(f"a_{name}") for name in ATTEMPT_FIELDS]
 
 
-def with_latest_attempts(ctx: UnitContext, run_id: int, rows: Sequence[Any]) -> list[Rollout | AttemptedRollout]:
-    attempts = latest_attempts(ctx, run_id, rows)
-    return [attempted(row, attempts.get(row.rollout_id)) for row in rows]
+def latest_attempt(row: Any) -> Attempt | None:
+    """The latest attempt in a row read with ``_LATEST_COLUMNS``, or None when it has none."""
+    m = as_mapping(row)
+    if m["a_attempt_id"] is None:
+        return None
+    return Attempt.model_construct(**{name: m[f"a_{name}"] for name in ATTEMPT_FIELDS})
 
 
 def _membership(values: list[str] | None) -> bool | None:
@@ -471,7 +463,10 @@ def query_rollouts(
     if contains:
         params["q_contains"] = rollout_id_contains
     rows, total = f.fetch_page(ctx, page, count, params, limit, offset)
-    items = with_latest_attempts(ctx, run_id, rows)
+    attempts = {}
+    if pairs := [(row.rollout_id, row.attempt_count) for row in rows if row.attempt_count > 0]:
+        attempts = {arow.rollout_id: attempt_from_row(arow) for arow in d.attempts_by_sequence(ctx, run_id, pairs)}
+    items = [attempted(row, attempts.get(row.rollout_id)) for row in rows]
     return PaginatedResult(items=items, limit=limit, offset=offset, total=total)
 
 
@@ -493,9 +488,7 @@ class ReadRollout(Operation):
         for n, call in enumerate(batch.calls, 1):
             assert isinstance(call, ReadRollout)
             row = by_call.get(n)
-            attempt = None
-            if row is not None and row["a_attempt_id"] is not None:
-                attempt = Attempt.model_construct(**{name: row[f"a_{name}"] for name in ATTEMPT_FIELDS})
+            attempt = None if row is None else latest_attempt(row)
             if call.attempt_only:
                 out.append(attempt)
             else:
@@ -509,22 +502,11 @@ READ_ROLLOUT_KEYS: list[d.KeyColumn] = [("rollout_id", Text())]
 def read_rollout_statement(dialect: str, single: bool) -> Any:
     """The rollouts of the batch's keys with their latest attempts (``a_*``), each with ``n``."""
     keys = d.keys_source(dialect, "r", READ_ROLLOUT_KEYS, single=single)
-    run_id = keys.c.run_id
-    latest = A.alias("latest")
-    rollout = and_(R.c.run_id == run_id, R.c.rollout_id == keys.c.rollout_id)
-    with_attempt = R.outerjoin(
-        latest,
-        and_(latest.c.run_id == R.c.run_id, latest.c.rollout_id == R.c.rollout_id, latest.c.sequence_id == R.c.attempt_count),
-    )
-    stmt = select(
-        keys.c.n.label("n"),
-        *ROLLOUT_COLUMNS,
-        R.c.attempt_count,
-        *(latest.c[name].label(f"a_{name}") for name in ATTEMPT_FIELDS),
-    )
+    rollout = and_(R.c.run_id == keys.c.run_id, R.c.rollout_id == keys.c.rollout_id)
+    stmt = select(keys.c.n.label("n"), *ROLLOUT_COLUMNS, R.c.attempt_count, *_LATEST_COLUMNS)
     if single:
-        return stmt.select_from(with_attempt).where(rollout)
-    return stmt.select_from(keys.join(with_attempt, rollout))
+        return stmt.select_from(_WITH_LATEST).where(rollout)
+    return stmt.select_from(keys.join(_WITH_LATEST, rollout))
 
 
 def read_rollout_params(dialect: str, batch: Batch) -> tuple[dict[str, Any], bool]:
@@ -550,14 +532,6 @@ def finished_rollouts(
     ).all()
     finished = {row.rollout_id: rollout_from_row(row) for row in rows if row.status in FINISHED_STATUSES}
     return [finished[rid] for rid in rollout_ids if rid in finished], len(rows), len(finished)
-
-
-def queue_depth(ctx: UnitContext, run_id: int) -> int:
-    return int(
-        ctx.execute(
-            select(func.count()).select_from(R).where(R.c.run_id == run_id, R.c.queue_seq.isnot(None))
-        ).scalar_one()
-    )
 
 
 def has_queued(ctx: UnitContext, run_id: int) -> bool:

@@ -128,7 +128,7 @@ def encoded(value: Any, field: str, *, allow_models: bool = False) -> EncodedJso
     return None if text is None else EncodedJson(text)
 
 
-def _mapping(row: Any) -> Any:
+def as_mapping(row: Any) -> Any:
     """A row as a mapping: SQLAlchemy's ``Row._mapping`` and a named tuple's ``_asdict()`` (both
     public, underscored only to stay clear of column names); dicts are one."""
     mapping = getattr(row, "_mapping", None)
@@ -140,7 +140,7 @@ def _mapping(row: Any) -> Any:
 
 
 def config_from(row: Any) -> RolloutConfig:
-    m = _mapping(row)
+    m = as_mapping(row)
     fields = {name: m[name] for name in CONFIG_FIELDS}
     fields["retry_condition"] = list(fields["retry_condition"] or [])
     return RolloutConfig.model_construct(**fields)
@@ -161,25 +161,25 @@ def rollout_from_row(row: Row[Any] | Any) -> Rollout:
 
 
 def attempt_from_row(row: Row[Any] | Any) -> Attempt:
-    m = _mapping(row)
+    m = as_mapping(row)
     return Attempt.model_construct(**{name: m[name] for name in ATTEMPT_FIELDS})
 
 
 def attempted(rollout_row: Any, attempt: Attempt | None) -> Rollout | AttemptedRollout:
     """The rollout of a row (with ``attempt_count`` or not) and, if given, its attempt."""
-    fields = rollout_fields(_mapping(rollout_row))
+    fields = rollout_fields(as_mapping(rollout_row))
     if attempt is None:
         return Rollout.model_construct(**fields)
     return AttemptedRollout.model_construct(**fields, attempt=attempt)
 
 
 def worker_from_row(row: Row[Any] | Any) -> Worker:
-    m = _mapping(row)
+    m = as_mapping(row)
     return Worker.model_construct(**{name: m[name] for name in WORKER_FIELDS})
 
 
 def resources_from_row(row: Row[Any] | Any) -> ResourcesUpdate:
-    m = _mapping(row)
+    m = as_mapping(row)
     return ResourcesUpdate.model_validate(
         {
             "resources_id": m["resources_id"],
@@ -192,7 +192,7 @@ def resources_from_row(row: Row[Any] | Any) -> ResourcesUpdate:
 
 
 def run_from_row(row: Row[Any] | Any) -> Run:
-    m = _mapping(row)
+    m = as_mapping(row)
     return Run(
         name=m["name"],
         status=m["status"],
@@ -321,7 +321,7 @@ def span_from_row(row: Any) -> Span:
     which OpenTelemetry does not allow, reading back as floats), three times faster than
     ``model_construct`` for a span and its nested models.  A stored span the model rejects (one its
     writer built with ``model_construct``) is rebuilt as it was stored."""
-    m = _mapping(row)
+    m = as_mapping(row)
     extra: dict[str, Any] = dict(m["extra"] or {})
     data: dict[str, Any] = {name: m[name] for name in SPAN_FIELDS}
     data["status"] = extra.pop("status", None) or {"status_code": "UNSET"}

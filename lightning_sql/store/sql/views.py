@@ -12,9 +12,12 @@ a new revision, so code reading ``_v1`` keeps working during a rolling upgrade.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import cache
 from typing import Any
 
 from sqlalchemy import BigInteger, Column, Connection, Float, MetaData, Table, Text, event
+
+from lightning_sql.store.sql import dialect as d
 
 # Placeholder for "<quoted schema>." (PostgreSQL) or "" (SQLite) in the statements below.
 _NS = "__lsql_ns__."
@@ -69,60 +72,34 @@ VIEW_TABLES: Mapping[str, Table] = {
 
 
 class _Json:
-    """Per-dialect JSON accessors; arguments are constants of this module, never user input."""
+    """JSON access in view SQL, from the dialect's templates (``dialect.VIEW_SQL``); arguments are
+    constants of this module, never user input."""
 
     def __init__(self, dialect: str) -> None:
         self.dialect = dialect
+        self.sql = d.VIEW_SQL[dialect]
 
     def text(self, column: str, key: str) -> str:
-        if self.dialect == "postgresql":
-            return f"({column} ->> '{key}')"
-        return f"json_extract({column}, '$.\"{key}\"')"
+        return self.sql["text"].format(c=column, k=key)
 
     def nested_text(self, column: str, outer: str, inner: str) -> str:
-        if self.dialect == "postgresql":
-            return f"({column} -> '{outer}' ->> '{inner}')"
-        return f"json_extract({column}, '$.\"{outer}\".\"{inner}\"')"
+        return self.sql["nested_text"].format(c=column, k=outer, k2=inner)
 
     def number(self, column: str, key: str) -> str:
-        if self.dialect == "postgresql":
-            return (
-                f"(CASE WHEN jsonb_typeof({column} -> '{key}') = 'number' "
-                f"THEN ({column} ->> '{key}')::double precision END)"
-            )
-        return (
-            f"(CASE WHEN json_type({column}, '$.\"{key}\"') IN ('integer', 'real') "
-            f"THEN CAST(json_extract({column}, '$.\"{key}\"') AS REAL) END)"
-        )
+        return self.sql["number"].format(c=column, k=key)
 
     def integer(self, column: str, key: str) -> str:
-        if self.dialect == "postgresql":
-            return (
-                f"(CASE WHEN jsonb_typeof({column} -> '{key}') = 'number' "
-                f"THEN round(({column} ->> '{key}')::numeric)::bigint END)"
-            )
-        return (
-            f"(CASE WHEN json_type({column}, '$.\"{key}\"') IN ('integer', 'real') "
-            f"THEN CAST(round(json_extract({column}, '$.\"{key}\"')) AS INTEGER) END)"
-        )
+        return self.sql["integer"].format(c=column, k=key)
 
     def first_integer(self, column: str, *keys: str) -> str:
         return "COALESCE(" + ", ".join(self.integer(column, key) for key in keys) + ")"
 
     def has_key_prefix(self, column: str, prefix: str) -> str:
         """Whether the JSON object has a key starting with ``prefix``."""
-        n = len(prefix)
-        if self.dialect == "postgresql":
-            return (
-                f"EXISTS (SELECT 1 FROM jsonb_object_keys(CASE WHEN jsonb_typeof({column}) = 'object' "  # noqa: S608
-                f"THEN {column} END) AS k(key) WHERE substr(k.key, 1, {n}) = '{prefix}')"
-            )
-        return f"EXISTS (SELECT 1 FROM json_each({column}) AS k WHERE substr(k.key, 1, {n}) = '{prefix}')"  # noqa: S608
+        return self.sql["has_key_prefix"].format(c=column, k=prefix, n=len(prefix))
 
     def contains(self, column: str, needle: str) -> str:
-        if self.dialect == "postgresql":
-            return f"strpos({column}, '{needle}') > 0"
-        return f"instr({column}, '{needle}') > 0"
+        return self.sql["contains"].format(c=column, k=needle)
 
 
 def _rollout_summary(j: _Json) -> str:
@@ -160,29 +137,10 @@ LEFT JOIN {_NS}attempts la
 
 
 def _rewards(j: _Json) -> str:
-    prefix_len = len(REWARD_KEY_PREFIX)
-    if j.dialect == "postgresql":
-        source = f"""FROM {_NS}spans sp
-JOIN {_NS}runs ru ON ru.run_id = sp.run_id
-CROSS JOIN LATERAL jsonb_each(CASE WHEN jsonb_typeof(sp.attributes) = 'object' THEN sp.attributes END) AS kv(key, value)
-CROSS JOIN LATERAL (SELECT substr(kv.key, {prefix_len + 1}, greatest(length(kv.key) - {prefix_len + 6}, 0)) AS dim) AS d
-WHERE sp.name = '{REWARD_SPAN_NAME}'
-  AND kv.key LIKE 'agentlightning.reward.%.value'
-  AND d.dim ~ '^[0-9]+$'"""  # noqa: S608 - built from this module's constants only
-        dimension = "d.dim::integer"
-        name = f"(sp.attributes ->> ('{REWARD_KEY_PREFIX}' || d.dim || '.name'))"
-        value = "(CASE WHEN jsonb_typeof(kv.value) = 'number' THEN (kv.value #>> '{}')::double precision END)"
-    else:
-        source = f"""FROM {_NS}spans sp
-JOIN {_NS}runs ru ON ru.run_id = sp.run_id
-JOIN json_each(sp.attributes) AS kv
-WHERE sp.name = '{REWARD_SPAN_NAME}'
-  AND kv.key GLOB 'agentlightning.reward.[0-9]*.value'
-  AND substr(kv.key, {prefix_len + 1}, length(kv.key) - {prefix_len + 6}) NOT GLOB '*[^0-9]*'"""  # noqa: S608 - built from this module's constants only
-        dim = f"substr(kv.key, {prefix_len + 1}, length(kv.key) - {prefix_len + 6})"
-        dimension = f"CAST({dim} AS INTEGER)"
-        name = f"json_extract(sp.attributes, '$.\"{REWARD_KEY_PREFIX}' || {dim} || '.name\"')"
-        value = "(CASE WHEN kv.type IN ('integer', 'real') THEN CAST(kv.value AS REAL) END)"
+    fill = {"ns": _NS, "span": REWARD_SPAN_NAME, "prefix": REWARD_KEY_PREFIX, "after": len(REWARD_KEY_PREFIX) + 1}
+    fill["less"] = len(REWARD_KEY_PREFIX) + 6
+    fill["dim"] = j.sql["reward_dim"].format(**fill)
+    source, dimension, name, value = (j.sql[f"reward_{part}"].format(**fill) for part in ("source", "dimension", "name", "value"))
     return f"""CREATE VIEW {_NS}rewards_v1 AS
 SELECT
     sp.run_id AS run_id,
@@ -255,6 +213,7 @@ JOIN {_NS}rollouts ro ON ro.run_id = at.run_id AND ro.rollout_id = at.rollout_id
 JOIN {_NS}runs ru ON ru.run_id = at.run_id"""  # noqa: S608 - built from this module's constants only
 
 
+@cache  # built once per dialect, from the constants above
 def _build(dialect: str) -> dict[str, str]:
     j = _Json(dialect)
     return {
@@ -265,25 +224,24 @@ def _build(dialect: str) -> dict[str, str]:
     }
 
 
-# Built once, at import, from the constants above.
-_CREATE: Mapping[str, Mapping[str, str]] = {"sqlite": _build("sqlite"), "postgresql": _build("postgresql")}
+
 
 
 def _namespace(dialect: Any, schema: str | None) -> str:
-    if dialect.name != "postgresql" or schema is None:
+    if dialect.name != "postgresql" or schema is None:  # SQLite has no schemas
         return ""
     return dialect.identifier_preparer.quote_schema(schema) + "."
 
 
 def _dialect_name(dialect: Any) -> str:
-    if dialect.name not in _CREATE:
+    if dialect.name not in d.VIEW_SQL:
         raise ValueError(f"lightning_sql views exist for SQLite and PostgreSQL, not {dialect.name!r}")
     return str(dialect.name)
 
 
 def create_statements(dialect: Any, schema: str | None) -> list[str]:
     """The ``CREATE VIEW`` statements for ``dialect`` (a SQLAlchemy dialect), in ``schema`` on PostgreSQL."""
-    texts = _CREATE[_dialect_name(dialect)]
+    texts = _build(_dialect_name(dialect))
     ns = _namespace(dialect, schema)
     return [texts[name].replace(_NS, ns) for name in VIEW_NAMES]
 
