@@ -34,8 +34,10 @@ SQLITE = "sqlite"
 JSON_COLUMNS = frozenset(
     {"input", "metadata", "retry_condition", "attributes", "events", "links", "resource", "extra", "a_metadata"}
 )
-# Rows per multi-row INSERT: 16 span columns each, well within SQLite's 32,766 bound parameters.
-SPAN_INSERT_CHUNK = 500
+# Rows per multi-row INSERT: 16 span columns each, well within SQLite's 32,766 bound parameters.  A
+# batch's rows go in chunks of powers of two up to this, so that nine statement texts serve every
+# batch: compiling one costs far more than running it, and each is compiled once per process.
+SPAN_INSERT_CHUNK = 256
 
 
 class Db:
@@ -50,15 +52,16 @@ class Db:
         """The rows of a statement as dicts, JSON columns decoded: its parameters by name, or with
         ``values`` already in the statement's order."""
         stmt = compiled(SQLITE, None, key, build)
-        cursor = self.driver.cursor()
-        cursor.row_factory = sqlite3.Row
         bound = stmt.positional(params or {}) if values is None else values
         if statement_log.isEnabledFor(10):
             statement_log.debug("%s %r", stmt.sql, bound)
+        cursor = self.driver.execute(stmt.sql, bound)
+        names = [column[0] for column in cursor.description or ()]
+        decoded = [name for name in names if name in JSON_COLUMNS]
         out = []
-        for row in cursor.execute(stmt.sql, bound):
-            item = dict(zip(row.keys(), row, strict=True))
-            for name in JSON_COLUMNS.intersection(item):
+        for row in cursor:
+            item = dict(zip(names, row, strict=True))
+            for name in decoded:
                 text = item[name]
                 # A JSON column has NUMERIC affinity in SQLite: a top-level number comes back as one.
                 if isinstance(text, str):
@@ -275,9 +278,11 @@ def add_spans(db: Db, batch: Batch) -> sp.SpanInsert:
     rows = [row for _n, row in sp.insert_rows(batch, bad)]
     if calls[0].allocate:
         rows = [{**row, "sequence_id": counter[row["rollout_id"]] + 1} for row in rows]
-    for start in range(0, len(rows), SPAN_INSERT_CHUNK):
-        chunk = rows[start : start + SPAN_INSERT_CHUNK]
-        size = len(chunk)
+    start = 0
+    while start < len(rows):
+        size = min(SPAN_INSERT_CHUNK, 1 << ((len(rows) - start).bit_length() - 1))
+        chunk = rows[start : start + size]
+        start += size
         # In the statement's order: row by row, run_id then the value columns (_span_insert).
         values = [value for row in chunk for value in (run_id, *(row[name] for name in _SPAN_VALUE_COLUMNS))]
         for stored in db.rows(("sqlite_span_insert", size), partial(_span_insert, size), values=values):
