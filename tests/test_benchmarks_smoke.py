@@ -273,3 +273,34 @@ async def test_phases_diagnostic_times_each_phase_and_checks_the_claims() -> Non
     assert all(p.wall > 0 and p.client >= 0 and p.young_gc >= 0 for p in measured.phases.values())
     lines = phases.report([measured], 3)
     assert "R=3" in lines[0] and lines[1].split()[0] == "sqlite" and "read-back" in lines[1]
+
+
+@pytest.mark.parametrize("with_reader", [False, True])
+async def test_the_stall_probe_runs_beside_the_lifecycle(with_reader: bool) -> None:
+    from benchmarks import stall
+
+    m = await stall.measure("sqlite", 20, 300, with_reader)
+    assert m["problems"] == []
+    assert m["max_ms"] >= m["p99_ms"] >= 0
+    assert (m["reads"] > 0) == with_reader
+
+
+def test_the_wakeup_counter_counts_and_restores() -> None:
+    import asyncio
+
+    from benchmarks.statements import counting_wakeups
+
+    original = asyncio.BaseEventLoop.call_soon_threadsafe
+    counter = [0]
+
+    async def two_wakeups() -> None:
+        loop = asyncio.get_running_loop()
+        done = asyncio.Event()
+        loop.call_soon_threadsafe(lambda: None)
+        loop.call_soon_threadsafe(done.set)
+        await done.wait()
+
+    with counting_wakeups(counter):
+        asyncio.run(two_wakeups())
+    assert counter[0] >= 2
+    assert asyncio.BaseEventLoop.call_soon_threadsafe is original
