@@ -83,6 +83,7 @@ class PostgresExecutor(Executor):
         self._listener: Any = None
         self._background: set[asyncio.Task[Any]] = set()
         self._held: set[AsyncConnection] = set()  # the lanes' connections
+        self._refusals = 0  # connections refused in a row while other lanes held one
         self._drivers: dict[AsyncConnection, Any] = {}  # their asyncpg connections
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"lightning-sql-pg[{target.masked}]", daemon=True)
         self._thread.start()
@@ -169,10 +170,36 @@ class PostgresExecutor(Executor):
                 await self._work.wait()
                 continue
             batch = gather_batch(self._pending)
+            if conn is None and self._held:
+                conn, handed_back = await self._connect_or_hand_back(batch)
+                if handed_back:
+                    continue
             conn = await self._execute(conn, batch)
             settle(batch.calls)
             if conn is not None:
                 self._held.add(conn)
+
+    async def _connect_or_hand_back(self, batch: Batch) -> tuple[AsyncConnection | None, bool]:
+        """A connection for a lane that has none while other lanes hold one.  When the server refuses
+        it for now (a role's or the server's connection limit, which may allow no more than the
+        others hold), the batch goes back to the front of the queue for a lane that has a
+        connection, and this lane waits a back-off before it takes work again (``True``: handed
+        back).  Any other failure is left to ``_execute``, which connects again and reports it."""
+        assert self._engine is not None and self._work is not None
+        try:
+            conn = await self._engine.connect()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - refused: the calls go back, none fails here
+            if classify_error(exc) != "transient":
+                return None, False
+            self._pending[:0] = batch.calls
+            self._work.set()
+            await asyncio.sleep(backoff(self._refusals))
+            self._refusals = min(self._refusals + 1, 8)
+            return None, True
+        self._refusals = 0
+        return conn, False
 
     async def _release(self, conn: AsyncConnection) -> None:
         self._drivers.pop(conn, None)
