@@ -186,8 +186,7 @@ def _unreachable_url(backend: Any, tmp_path: Any) -> str:
         return "postgresql://nobody@127.0.0.1:1/none"
     if backend.name == "sqlite_memory":
         return "sqlite://"
-    prefix = "sqlite+aiosqlite" if backend.name == "aiosqlite" else "sqlite"
-    return f"{prefix}:///{tmp_path / 'missing' / 'dir' / 'x.db'}"
+    return f"sqlite:///{tmp_path / 'missing' / 'dir' / 'x.db'}"
 
 
 async def test_read_only_write_methods_raise_permission_error_before_io(backend, tmp_path):
