@@ -96,13 +96,6 @@ async def test_query_workers_filters(store):
 # --- §2.16 misc ------------------------------------------------------------------------------------
 
 
-async def test_capabilities(store, backend):
-    caps = store.capabilities
-    assert caps["async_safe"] is True and caps["thread_safe"] is True
-    assert caps["zero_copy"] is (backend.name != "sqlite_memory")
-    assert not caps.get("otlp_traces")
-
-
 async def test_statistics(store):
     stats = await store.statistics()
     assert stats["name"] == "SqlLightningStore"
@@ -147,9 +140,3 @@ async def test_statistics_are_scoped_to_the_run(store_factory):
     assert (stats["total_rollouts"], stats["total_attempts"], stats["total_workers"], stats["queue_depth"]) == (2, 1, 1, 1)
 
 
-async def test_otlp_endpoint_and_now(store, clock):
-    with pytest.raises(NotImplementedError):
-        store.otlp_traces_endpoint()
-    assert store.now() == clock()
-    clock.advance(7.5)
-    assert store.now() == clock()
