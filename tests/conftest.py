@@ -1,7 +1,9 @@
 """Shared fixtures: one store factory parametrised over every backend (docs/architecture.md §12).
 
-Backends: ``sqlite_file`` (writer thread), ``sqlite_memory``, ``aiosqlite`` and ``postgres``
-(asyncpg, one throwaway PostgreSQL schema per test, dropped afterwards).  PostgreSQL tests skip when
+Backends: ``sqlite_file`` (writer thread), ``sqlite_memory`` and ``postgres`` (asyncpg, one
+throwaway PostgreSQL schema per test, dropped afterwards).  A ``sqlite+aiosqlite://`` URL is served
+by the very executor of ``sqlite://`` (``urls.py``), so it is no backend of its own: one test checks
+that it names the same store (``tests/contract/test_limits_and_urls.py``).  PostgreSQL tests skip when
 the server is unreachable, unless ``LIGHTNING_SQL_REQUIRE_POSTGRES=1`` (CI), where they fail.
 """
 
@@ -22,9 +24,9 @@ from tests.helpers import FakeClock, drop_pg_schema, pg_available
 PG_URL = os.environ.get("LIGHTNING_SQL_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 REQUIRE_PG = os.environ.get("LIGHTNING_SQL_REQUIRE_POSTGRES") == "1"
 
-ALL_BACKENDS = ["sqlite_file", "sqlite_memory", "aiosqlite", "postgres"]
+ALL_BACKENDS = ["sqlite_file", "sqlite_memory", "postgres"]
 # Backends whose data outlives one instance (reopen, pickling, several processes).
-PERSISTENT_BACKENDS = ["sqlite_file", "aiosqlite", "postgres"]
+PERSISTENT_BACKENDS = ["sqlite_file", "postgres"]
 MULTIPROCESS_BACKENDS = ["sqlite_file", "postgres"]
 
 
@@ -46,8 +48,6 @@ class BackendSpec:
         self.schema: str | None = None
         if name == "sqlite_file":
             self.url = f"sqlite:///{tmp_path / 'store.db'}"
-        elif name == "aiosqlite":
-            self.url = f"sqlite+aiosqlite:///{tmp_path / 'store.db'}"
         elif name == "sqlite_memory":
             self.url = "sqlite://"
         elif name == "postgres":

@@ -822,9 +822,10 @@ def test_encode_json_output_round_trips() -> None:
 def test_encode_json_large_span_batch_is_correct() -> None:
     # The hot path: many spans with typical attributes. Correctness only; no timing assertions.
     attributes = {f"attr.{i}": ("value", i, float(i), True, ["a", "b"]) for i in range(50)}
+    expected = {f"attr.{i}": ["value", i, float(i), True, ["a", "b"]] for i in range(50)}
     for i in range(2000):
         encoded = encode_json(attributes, f"spans[{i}].attributes")
-        assert encoded is not None
+        assert isinstance(encoded, str) and json.loads(encoded) == expected, i
     bad: dict[str, Any] = dict(attributes)
     bad["attr.bad"] = ("v", math.nan)
     with pytest.raises(ValueError, match=r"^attributes\['attr.bad'\]\[1\]: NaN is not allowed"):

@@ -196,7 +196,8 @@ async def test_clock_sync_makes_skewed_hosts_agree(pg_backend):
         await unsynced.statistics()
         rtt_bound = time.monotonic() - t_before  # covers one round trip of each, generously
         diff = abs(fast.now() - slow.now())
-        assert diff <= max(rtt_bound, 0.05) + 0.25, (diff, rtt_bound)
+        # Synchronised, they differ by at most a round trip (milliseconds); without it, by 120 s.
+        assert diff <= rtt_bound + 1.0, (diff, rtt_bound)
         assert abs(unsynced.now() - slow.now() - SKEW_S) < 1.0
         # Both agree with the server's clock (this machine's clock is the server's: same host).
         assert abs(fast.now() - time.time()) < 1.0

@@ -3,6 +3,8 @@ stored but never found, and store URLs that silently meant something else."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from lightning_sql import SqlLightningStore
@@ -60,3 +62,25 @@ def test_the_pool_size_url_parameter_is_checked():
         SqlLightningStore("postgresql://u@h/db?pool_size=many", run="r")
     with pytest.raises(ValueError, match="pool_size .* must be >= 1"):
         SqlLightningStore("postgresql://u@h/db?pool_size=0", run="r")
+
+
+async def test_an_aiosqlite_url_names_the_same_store_as_the_plain_sqlite_url(tmp_path):
+    """``sqlite+aiosqlite:///f.db`` is normalised to ``sqlite:///f.db`` (docs/store-contract.md §4):
+    the same database, served by the same executor (one writer thread for the file), which is why
+    the contract suite does not run on it as a backend of its own."""
+    path = tmp_path / "store.db"
+    plain = SqlLightningStore(f"sqlite:///{path}", run="r")
+    aio = SqlLightningStore(f"sqlite+aiosqlite:///{path}", run="r")
+    try:
+        (written,) = await aio.enqueue_many_rollouts([EnqueueRolloutRequest(input={"via": "aiosqlite"})])
+        claimed = await plain.dequeue_rollout(worker_id="w")
+        assert claimed is not None and claimed.rollout_id == written.rollout_id
+        seen = await aio.get_rollout_by_id(written.rollout_id)
+        assert seen is not None and seen.status == "preparing"
+        writers = [t.name for t in threading.enumerate() if t.name.startswith("lightning-sql-sqlite[") and str(path) in t.name]
+        assert writers == [f"lightning-sql-sqlite[sqlite:///{path}]"]
+    finally:
+        await aio.close()
+        await plain.close()
+    with pytest.raises(ValueError, match="In-memory databases are served by the plain sqlite:// URL"):
+        SqlLightningStore("sqlite+aiosqlite://", run="r")

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import asyncpg
 import pytest
+from sqlalchemy import Engine, event
 
 from lightning_sql import EnqueueRolloutRequest, PromptTemplate, RolloutConfig, Span
-from tests.conftest import PG_URL
+from tests.conftest import PG_URL, BackendSpec
 
 TIMEOUT_RETRY = RolloutConfig(timeout_seconds=10, max_attempts=2, retry_condition=["timeout", "unresponsive"])
 
@@ -463,13 +467,91 @@ async def test_explicit_sweep_ignores_and_restarts_the_debounce(store_factory, c
     assert await _attempt_status(st, first.rollout_id) == "timeout"
 
 
-async def test_concurrent_calls_of_one_instance_do_not_wait_for_the_sweep(store_factory, clock):
+@contextmanager
+def _sweeps_started() -> Iterator[list[str]]:
+    """The sweeps' candidate SELECTs that start meanwhile (SQLAlchemy's statement events, on every
+    engine of the process: the sweep is a unit on a SQLAlchemy connection)."""
+    seen: list[str] = []
+
+    def before(conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, executemany: bool) -> None:
+        if " AS timed_out" in statement:
+            seen.append(statement)
+
+    event.listen(Engine, "before_cursor_execute", before)
+    try:
+        yield seen
+    finally:
+        event.remove(Engine, "before_cursor_execute", before)
+
+
+@asynccontextmanager
+async def _sweeps_held(backend: BackendSpec) -> AsyncIterator[None]:
+    """Another connection holds what a sweep needs and a read does not: SQLite's write lock
+    (``BEGIN IMMEDIATE``; reads of the WAL pass), or the rollouts table of PostgreSQL in EXCLUSIVE
+    mode (plain SELECTs pass, the sweep's ``FOR UPDATE`` waits for it)."""
+    if backend.is_postgres:
+        conn = await asyncpg.connect(PG_URL)
+        try:
+            tx = conn.transaction()
+            await tx.start()
+            await conn.execute(f'LOCK TABLE "{backend.schema}".rollouts IN EXCLUSIVE MODE')
+            try:
+                yield
+            finally:
+                await tx.rollback()
+        finally:
+            await conn.close()
+    else:
+        assert backend.url.startswith("sqlite:///")
+        holder = sqlite3.connect(backend.url.removeprefix("sqlite:///"), isolation_level=None)
+        try:
+            holder.execute("BEGIN IMMEDIATE")
+            try:
+                yield
+            finally:
+                holder.execute("ROLLBACK")
+        finally:
+            holder.close()
+
+
+async def _reads_in_a_row(store: Any, rollout_id: str, n: int) -> None:
+    for _ in range(n):
+        assert await store.get_rollout_by_id(rollout_id) is not None
+
+
+async def test_concurrent_calls_of_one_instance_sweep_once_and_do_not_wait_for_the_sweep(
+    backend: BackendSpec, store_factory: Any, clock: Any
+) -> None:
     st = store_factory(scan_debounce_seconds=10)
     ids = [(await st.start_rollout(i, config=RolloutConfig(timeout_seconds=1))).rollout_id for i in range(5)]
-    clock.advance(10)
-    results = await asyncio.gather(*(st.get_rollout_by_id(rid) for rid in ids))
+    clock.advance(10)  # the burst is due for a sweep, and every attempt has expired
+    with _sweeps_started() as sweeps:
+        if not backend.persistent:
+            # One connection serves an in-memory database: nothing else can hold its sweep, so only
+            # the count is checked here.
+            results = await asyncio.gather(*(st.get_rollout_by_id(rid) for rid in ids))
+        else:
+            async with _sweeps_held(backend):
+                calls = [asyncio.ensure_future(st.get_rollout_by_id(rid)) for rid in ids]
+                deadline = time.monotonic() + 10
+                while sum(c.done() for c in calls) < len(calls) - 1 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+                returned_while_held = [c.done() for c in calls]
+                # A call that meets the sweep in progress does not wait for it: 30 calls in a row take
+                # a few milliseconds each, where waiting even 0.5 s for the sweep takes 15 s.
+                row = asyncio.ensure_future(_reads_in_a_row(st, ids[0], 30))
+                await asyncio.wait([row], timeout=7.5)  # never cancels: a held call cannot be
+                row_done_while_held = row.done()
+                still_held = [not c.done() for c in calls]
+            results = await asyncio.wait_for(asyncio.gather(*calls), timeout=30)
+            await asyncio.wait_for(row, timeout=30)
+            # The caller that sweeps was held; the others returned meanwhile.
+            assert returned_while_held.count(False) == 1, returned_while_held
+            assert row_done_while_held, "30 calls in a row took over 7.5 s while the sweep was held: they waited for it"
+            assert still_held == [not done for done in returned_while_held]
     assert all(r is not None for r in results)
-    # The burst swept (once: the clock did not move, so later calls are not due); no call waited on it.
+    # Exactly one sweep: the clock did not move, so the later calls were not due.
+    assert len(sweeps) == 1, sweeps
     assert (await st.statistics())["queue_depth"] == 0
     assert [await _attempt_status(st, rid) for rid in ids] == ["timeout"] * 5
 

@@ -18,10 +18,14 @@ import pytest
 from lightning_sql import Rollout, SqlLightningStore
 from tests.helpers import pg_execute
 
-# Wake-up bound that separates a signal/NOTIFY from the 1 s polling fallback.
-WAKE_BOUND_S = 0.2
-# SQLite across processes: data_version is polled every ~50 ms.
-SQLITE_CROSS_PROCESS_BOUND_S = 0.5
+# Wake-up bound that separates a signal, NOTIFY or SQLite's ~50 ms data_version poll (milliseconds)
+# from the 1 s polling fallback: each test finishes the rollout 0.1 s (another process: 0.3 s, its
+# LISTEN or poll is set up) into the waiter's 1 s fallback cycle, so a fallback wake would come at
+# least 0.6 s after the finish, and several rounds must all pass.
+WAKE_BOUND_S = 0.5
+# How long the waiter is left idle in its wait before the finish (same process: its in-process
+# signal needs no set-up).
+IDLE_BEFORE_FINISH_S = 0.1
 
 
 async def _finished(store, status: str = "succeeded") -> Rollout:
@@ -106,7 +110,7 @@ async def test_bad_return_when(store):
 
 async def _measure_same_process_wake(waiter, finisher, rid: str, finish) -> float:
     task = asyncio.create_task(waiter.wait_for_rollouts(rollout_ids=[rid], timeout=10))
-    await asyncio.sleep(0.3)  # the waiter is registered and idle in its wait
+    await asyncio.sleep(IDLE_BEFORE_FINISH_S)  # the waiter is registered and idle in its wait
     assert not task.done()
     await finish(finisher, rid)
     t_finished = time.monotonic()  # committed (the call returned); the signal fired on commit
@@ -213,8 +217,7 @@ async def test_wakes_when_another_process_finishes(mp_backend, clock):
                 # From the moment the finish was committed and returned in the child; several
                 # rounds, so a 1 s polling fallback could not pass by luck (0.8 ** 3).
                 latencies.append(t_wake - t_after)
-            bound = WAKE_BOUND_S if mp_backend.is_postgres else SQLITE_CROSS_PROCESS_BOUND_S
-            assert max(latencies) < bound, latencies
+            assert max(latencies) < WAKE_BOUND_S, latencies
         finally:
             await asyncio.to_thread(child.join, 30)
             if child.is_alive():
@@ -246,7 +249,7 @@ async def test_wait_for_queue(store):
 
 async def test_wait_for_queue_wakes_on_enqueue_and_requeue(store):
     task = asyncio.create_task(store.wait_for_queue(10))
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(IDLE_BEFORE_FINISH_S)
     assert not task.done()
     await store.enqueue_rollout(1)
     t0 = time.monotonic()
@@ -256,7 +259,7 @@ async def test_wait_for_queue_wakes_on_enqueue_and_requeue(store):
     ar = await store.dequeue_rollout()
     assert await store.wait_for_queue(0) is False
     task = asyncio.create_task(store.wait_for_queue(10))
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(IDLE_BEFORE_FINISH_S)
     assert not task.done()
     await store.update_rollout(ar.rollout_id, status="requeuing")
     t0 = time.monotonic()

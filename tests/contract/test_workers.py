@@ -7,6 +7,7 @@ import time
 import pytest
 
 from lightning_sql import Worker
+from tests.conftest import PERSISTENT_BACKENDS
 
 
 async def test_update_worker_upserts_a_heartbeat(store, clock):
@@ -95,13 +96,6 @@ async def test_query_workers_filters(store):
 # --- §2.16 misc ------------------------------------------------------------------------------------
 
 
-async def test_capabilities(store, backend):
-    caps = store.capabilities
-    assert caps["async_safe"] is True and caps["thread_safe"] is True
-    assert caps["zero_copy"] is (backend.name != "sqlite_memory")
-    assert not caps.get("otlp_traces")
-
-
 async def test_statistics(store):
     stats = await store.statistics()
     assert stats["name"] == "SqlLightningStore"
@@ -129,6 +123,8 @@ async def test_statistics(store):
     assert (await store.statistics())["uptime"] > before
 
 
+# Two runs in one database: an in-memory database belongs to one store instance (one run).
+@pytest.mark.parametrize("backend", PERSISTENT_BACKENDS, indirect=True)
 async def test_statistics_are_scoped_to_the_run(store_factory):
     a = store_factory(run="run-a")
     b = store_factory(run="run-b")
@@ -136,11 +132,11 @@ async def test_statistics_are_scoped_to_the_run(store_factory):
     await a.update_worker("w")
     stats = await b.statistics()
     assert (stats["total_rollouts"], stats["total_workers"], stats["queue_depth"]) == (0, 0, 0)
+    await b.start_rollout(2, worker_id="w")
+    await b.enqueue_rollout(3)
+    stats = await a.statistics()
+    assert (stats["total_rollouts"], stats["total_attempts"], stats["total_workers"], stats["queue_depth"]) == (1, 0, 1, 1)
+    stats = await b.statistics()
+    assert (stats["total_rollouts"], stats["total_attempts"], stats["total_workers"], stats["queue_depth"]) == (2, 1, 1, 1)
 
 
-async def test_otlp_endpoint_and_now(store, clock):
-    with pytest.raises(NotImplementedError):
-        store.otlp_traces_endpoint()
-    assert store.now() == clock()
-    clock.advance(7.5)
-    assert store.now() == clock()

@@ -107,10 +107,16 @@ async def test_server_down_past_the_deadline_raises_then_recovers(
                 elapsed = time.monotonic() - t0
                 message = str(info.value)
                 print(f"\n[pg down] raised after {elapsed:.1f}s: {message}")
+                # It waited the outage out until its deadline (a store that gave up at once would
+                # raise at the first refused connection), and did not hang past it.
+                assert elapsed >= deadline_s, f"raised after {elapsed:.2f}s, before the {deadline_s}s deadline"
                 assert elapsed < deadline_s + 20, "the call hung instead of failing at the deadline"
                 assert f"127.0.0.1:{throwaway_pg.port}" in message and "***" in message
                 assert "s3cret" not in message and "s3cret" not in repr(info.value)
             assert "s3cret" not in caplog.text
+            # The replays failed and were logged as an outage, with the masked URL.
+            outage = [r for r in caplog.records if "retrying until it answers" in r.getMessage()]
+            assert outage and f"127.0.0.1:{throwaway_pg.port}" in outage[0].getMessage(), caplog.text
         finally:
             throwaway_pg.start()
         # Back up: the same store instance carries on.

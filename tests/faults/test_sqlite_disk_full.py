@@ -2,7 +2,7 @@
 runner on it) goes on once space is freed.
 
 The database lives on a small tmpfs mounted by the test (root only: the test skips, saying so, where
-this process may not mount).  A file then fills the disk right after a checkpoint emptied the WAL
+this process may not mount, and fails instead under ``LIGHTNING_SQL_REQUIRE_TMPFS=1``, as in CI).  A file then fills the disk right after a checkpoint emptied the WAL
 file, so every write needs new blocks (a WAL file that keeps its size after a checkpoint would take
 small writes into its old frames and never meet the full disk).
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sqlite3
 import threading
 import time
@@ -42,6 +43,8 @@ pytestmark = pytest.mark.slow
 DEADLINE_S = 2.0
 DISK_SIZE = "8m"
 SETTLE_TIMEOUT_S = 30.0  # generous: how long the work may take once space is freed
+# CI (.ci/run) runs as root and must run these tests: there a tmpfs that cannot be mounted fails them.
+REQUIRE_TMPFS = os.environ.get("LIGHTNING_SQL_REQUIRE_TMPFS") == "1"
 
 
 @pytest.fixture
@@ -50,6 +53,8 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         with small_tmpfs(tmp_path / "disk", DISK_SIZE) as disk:
             yield disk
     except CannotMount as exc:
+        if REQUIRE_TMPFS:
+            pytest.fail(f"a full disk needs a tmpfs, required in CI (LIGHTNING_SQL_REQUIRE_TMPFS=1): {exc}", pytrace=False)
         pytest.skip(f"a full disk needs a tmpfs this process may mount (run as root): {exc}")
 
 
