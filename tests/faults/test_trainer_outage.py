@@ -1,0 +1,226 @@
+"""A Trainer waits a database outage out, as its runners and workers do (docs/adr/0012).
+
+A trainer process (tests/faults/trainer_outage_driver.py: two in-process runners, an RL-shaped
+algorithm) runs half its samples; the test then makes the database unavailable and lets the
+algorithm make its next store call, a training step (``update_resources``), which meets the outage.
+On SQLite the disk is full (a small tmpfs, root only); on PostgreSQL the private cluster is stopped
+(``pg_ctl stop -m fast``).  Time is controlled through the trainer store's
+``connect_deadline_seconds`` (1 s): each outage lasts several deadlines, where the Trainer used to
+give up after one (30 s by default), without the test sleeping 30 s.
+
+Guarantees:
+* with ``outage_timeout=None`` (the default) the trainer process stays up through the outage,
+  logs that the algorithm waits for the store and since when (again once per deadline, with the
+  same start), says when the store answers again, and finishes: exit code 0, every rollout succeeded
+  with exactly one attempt, the training step recorded once, the run finished;
+* with ``outage_timeout=3`` it waits the 3 s (not the 1 s deadline), then exits 1 with one line
+  naming the run, saying it is resumable and giving the call that resumes it, no traceback; the run
+  stays active, and the call it gives (the same fit) then finishes every rollout exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import IO
+
+import pytest
+
+from lightning_sql import SqlLightningStore
+from tests.faults.servers import ROOT, CannotMount, ThrowawayPostgres, full_disk, small_tmpfs
+
+pytestmark = pytest.mark.slow
+
+N_SAMPLES = 8
+DEADLINE_S = 1.0  # the trainer store's connect_deadline_seconds
+OUTAGE_S = 5 * DEADLINE_S  # each outage outlasts several deadlines
+BOUND_S = 3.0  # outage_timeout of the bounded trainer: more than one deadline, less than the outage
+RUN_TIMEOUT_S = 180.0  # generous: a trainer on a busy 2-core machine
+WAITING = "the algorithm waits for it"
+
+
+class Outage:
+    """A database the test can take away: ``with outage.down(): ...``."""
+
+    def __init__(self, url: str, down: Callable[[], AbstractContextManager[None]]) -> None:
+        self.url = url
+        self.down = down
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def outage(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Outage]:
+    if request.param == "sqlite":
+        try:
+            with small_tmpfs(tmp_path / "disk", "8m") as disk:
+                database = disk / "store.db"
+                yield Outage(f"sqlite:///{database}", lambda: full_disk(disk, database))
+        except CannotMount as exc:
+            pytest.skip(f"a full disk needs a tmpfs this process may mount (run as root): {exc}")
+        return
+    pg: ThrowawayPostgres = request.getfixturevalue("throwaway_pg")
+
+    class Stopped:
+        def __enter__(self) -> None:
+            pg.stop("fast")
+
+        def __exit__(self, *exc: object) -> None:
+            pg.start()
+
+    yield Outage(pg.url(), Stopped)
+
+
+class TrainerProcess:
+    def __init__(self, url: str, run: str, gate: Path, directory: Path, outage_timeout: str) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.stderr_path = directory / "stderr.txt"
+        self._stderr: IO[bytes] = open(self.stderr_path, "wb")  # noqa: SIM115 - closed in wait()
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "SLOW_AGENT_SECONDS": "0.2", "COLUMNS": "400"}
+        args = [url, run, str(N_SAMPLES), str(gate), str(DEADLINE_S), outage_timeout]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.faults.trainer_outage_driver", *args],
+            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=self._stderr,
+        )
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def lines(self) -> list[str]:
+        return [line for line in self.stderr_path.read_text(errors="replace").splitlines() if line.strip()]
+
+    def describe(self) -> str:
+        return f"trainer exit code {self.proc.poll()}; stderr:\n" + "\n".join(self.lines()[-40:])
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self._stderr.close()
+
+    def kill(self) -> None:
+        if self.alive():
+            self.proc.kill()
+            self.proc.wait(30)
+        self._stderr.close()
+
+
+async def _observer(url: str, run: str, trainer: TrainerProcess) -> SqlLightningStore:
+    """A read-only store on the trainer's run (it neither creates the run nor sweeps), once the
+    trainer has created it."""
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while True:
+        store = SqlLightningStore(url, run=run, read_only=True, connect_deadline_seconds=30)
+        try:
+            await store.query_rollouts(limit=0)
+            return store
+        except Exception as exc:  # noqa: BLE001 - no database, schema or run yet: the trainer creates them
+            await store.close()
+            error = exc
+        assert trainer.alive(), trainer.describe()
+        assert time.monotonic() < deadline, f"the trainer never created its run: {error!r}"
+        await asyncio.sleep(0.1)
+
+
+async def _until_succeeded(store: SqlLightningStore, count: int, trainer: TrainerProcess) -> None:
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while (await store.query_rollouts(status_in=["succeeded"], limit=0)).total < count:
+        assert trainer.alive(), trainer.describe()
+        assert time.monotonic() < deadline, f"{count} rollouts did not succeed in time:\n{trainer.describe()}"
+        await asyncio.sleep(0.1)
+
+
+async def _assert_every_rollout_done_once(url: str, run: str) -> None:
+    store = SqlLightningStore(url, run=run, read_only=True)
+    try:
+        rollouts = list(await store.query_rollouts())
+        assert len(rollouts) == N_SAMPLES, [r.input for r in rollouts]
+        assert sorted(r.input["x"] for r in rollouts) == list(range(N_SAMPLES))  # type: ignore[index]
+        assert {r.status for r in rollouts} == {"succeeded"}, [(r.rollout_id, r.status) for r in rollouts]
+        for rollout in rollouts:
+            attempts = list(await store.query_attempts(rollout.rollout_id))
+            assert [(a.sequence_id, a.status) for a in attempts] == [(1, "succeeded")], (rollout, attempts)
+        step = await store.get_resources_by_id("policy")
+        assert step is not None and step.version == 1, step  # the training step was recorded once
+        second_half = [r for r in rollouts if r.input["x"] >= N_SAMPLES // 2]  # type: ignore[index]
+        assert {r.resources_id for r in second_half} == {"policy"}
+        finished = await store.get_run(run)
+        assert finished is not None and finished.status == "finished", finished
+    finally:
+        await store.close()
+
+
+async def test_the_trainer_waits_an_outage_out_and_finishes_every_rollout_once(outage: Outage, tmp_path: Path) -> None:
+    run, gate = "wait-it-out", tmp_path / "gate"
+    trainer = TrainerProcess(outage.url, run, gate, tmp_path / "trainer", "none")
+    try:
+        observer = await _observer(outage.url, run, trainer)
+        await _until_succeeded(observer, N_SAMPLES // 2, trainer)
+        await observer.close()  # its connections would see the outage too
+        before = len(trainer.lines())
+        with outage.down():
+            gate.touch()  # the algorithm's next store call, the training step, meets the outage
+            started = time.monotonic()
+            while time.monotonic() - started < OUTAGE_S:
+                assert trainer.alive(), f"the trainer gave up during the outage:\n{trainer.describe()}"
+                await asyncio.sleep(0.1)
+            during = trainer.lines()[before:]
+        assert trainer.wait(RUN_TIMEOUT_S) == 0, trainer.describe()
+        waiting = [line for line in during if WAITING in line]
+        print(f"\n[trainer outage] {len(waiting)} waiting lines in {OUTAGE_S:.0f}s; first: {waiting[:1]}")
+        # Said when the outage began, then again once per deadline, with the same start.
+        assert len(waiting) >= 2, trainer.describe()
+        starts = {re.search(r"is unavailable since (\S+ \S+ UTC)", line).group(1) for line in waiting}  # type: ignore[union-attr]
+        assert len(starts) == 1, waiting
+        assert all(f"run '{run}'" in line.lower() and "as long as it takes" in line for line in waiting), waiting
+        after = trainer.lines()[before:]
+        assert any("the store answers again" in line for line in after), trainer.describe()
+        assert not any("Traceback" in line or "StoreUnavailableError" in line for line in after), trainer.describe()
+        await _assert_every_rollout_done_once(outage.url, run)
+    finally:
+        trainer.kill()
+
+
+async def test_a_bounded_trainer_stops_saying_the_run_is_resumable_and_how(outage: Outage, tmp_path: Path) -> None:
+    run, gate = "bounded", tmp_path / "gate"
+    trainer = TrainerProcess(outage.url, run, gate, tmp_path / "trainer", str(BOUND_S))
+    resumed: TrainerProcess | None = None
+    try:
+        observer = await _observer(outage.url, run, trainer)
+        await _until_succeeded(observer, N_SAMPLES // 2, trainer)
+        await observer.close()
+        with outage.down():
+            gate.touch()
+            started = time.monotonic()
+            code = await asyncio.to_thread(trainer.wait, RUN_TIMEOUT_S)
+            elapsed = time.monotonic() - started
+        lines = trainer.lines()
+        print(f"\n[bounded trainer] exit {code} after {elapsed:.1f}s: {lines[-1:]}")
+        assert code == 1, trainer.describe()
+        assert elapsed >= BOUND_S * 0.9, f"stopped after {elapsed:.1f}s: it did not wait outage_timeout"
+        assert elapsed < BOUND_S + 60, f"stopped {elapsed:.1f}s after the outage began"
+        assert not any("Traceback" in line for line in lines), trainer.describe()
+        message = lines[-1]
+        assert message.startswith(f"lightning_sql: run '{run}' stopped, the store is unavailable"), message
+        for says in ("outage_timeout=3 s", "The run is resumable", "resume it by running the same fit again",
+                     f"run='{run}'", "Trainer(store="):
+            assert says in message, (says, message)
+        meta = SqlLightningStore(outage.url, read_only=True)
+        try:
+            stopped = await meta.get_run(run)
+        finally:
+            await meta.close()
+        assert stopped is not None and stopped.status == "active", stopped
+        # What the message says works: the same fit again, once the database answers.
+        resumed = TrainerProcess(outage.url, run, gate, tmp_path / "resumed", "none")
+        assert await asyncio.to_thread(resumed.wait, RUN_TIMEOUT_S) == 0, resumed.describe()
+        await _assert_every_rollout_done_once(outage.url, run)
+    finally:
+        trainer.kill()
+        if resumed is not None:
+            resumed.kill()
