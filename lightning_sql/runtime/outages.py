@@ -35,7 +35,7 @@ def _bound(outage_timeout: float | None) -> str:
 
 
 def _patience(outage_timeout: float | None) -> str:
-    return "as long as it takes" if outage_timeout is None else f"each call up to {_bound(outage_timeout)}"
+    return "as long as it takes (outage_timeout=None)" if outage_timeout is None else f"up to {_bound(outage_timeout)} a call"
 
 
 def _clock(timestamp: float) -> str:
@@ -71,9 +71,8 @@ class OutageLog:
             return
         where = self.store.url if isinstance(self.store, PersistentStore) else type(self.store).__name__
         logger.warning(
-            "Run %r: the store %s is unavailable since %s (%.0f s); the algorithm waits for it %s (%s)",
+            "Run %r: the store %s is unavailable since %s (%.0f s); the algorithm waits for it %s",
             self.run, where, _clock(since), time.time() - since, _patience(self.outage_timeout),
-            _bound(self.outage_timeout),
         )
         self.since = since
         self.next_line = now + self.interval
