@@ -13,6 +13,8 @@ Guarantees:
   logs that the algorithm waits for the store and since when (again once per deadline, with the
   same start), says when the store answers again, and finishes: exit code 0, every rollout succeeded
   with exactly one attempt, the training step recorded once, the run finished;
+* a patient call (``outage_patience``) that is cancelled during the outage returns within about one
+  deadline instead of waiting for the database;
 * with ``outage_timeout=6`` it waits the 6 s (not the 1 s deadline), then exits 1 with one line
   naming the run, saying it is resumable and giving the call that resumes it, no traceback; the run
   stays active, and the call it gives (the same fit) then finishes every rollout exactly once.
@@ -21,6 +23,7 @@ Guarantees:
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import re
 import subprocess
@@ -34,6 +37,7 @@ from typing import IO
 import pytest
 
 from lightning_sql import SqlLightningStore
+from lightning_sql.store import outage_patience
 from tests.faults.servers import ROOT, CannotMount, ThrowawayPostgres, full_disk, small_tmpfs
 
 pytestmark = pytest.mark.slow
@@ -45,6 +49,7 @@ BOUND_S = 6.0  # outage_timeout of the bounded trainer: far more than one deadli
 # deadlines for the SQLite writer, busy with the runners' failing writes, before its first try)
 RUN_TIMEOUT_S = 180.0  # generous: a trainer on a busy 2-core machine
 WAITING = "the algorithm waits for it"
+CANCEL_BOUND_S = 15.0  # generous: a cancelled call returns within one deadline (1 s) plus the writer's queue
 
 
 class Outage:
@@ -228,3 +233,31 @@ async def test_a_bounded_trainer_stops_saying_the_run_is_resumable_and_how(outag
         trainer.kill()
         if resumed is not None:
             resumed.kill()
+
+
+async def test_a_patient_call_that_is_cancelled_returns_within_one_deadline(outage: Outage) -> None:
+    """Under ``outage_patience(math.inf)`` a call waits the outage out, but a cancelled one (Ctrl-C,
+    the Trainer stopping its algorithm) still returns within about ``connect_deadline_seconds`` (plus a
+    back-off), as any call did before: cancelling never hangs for as long as the outage lasts."""
+    store = SqlLightningStore(outage.url, run="cancelled", connect_deadline_seconds=DEADLINE_S)
+    call: asyncio.Future[object] | None = None
+    try:
+        await store.enqueue_rollout({"x": 0})
+        with outage.down():
+            with outage_patience(math.inf):
+                call = asyncio.ensure_future(store.update_resources("policy", {}))
+            await asyncio.sleep(3 * DEADLINE_S)
+            assert not call.done(), f"the patient call gave up within its patience: {call}"
+            assert store.unavailable_since is not None, "the store does not report the outage in progress"
+            call.cancel()
+            cancelled_at = time.monotonic()
+            done, _ = await asyncio.wait({call}, timeout=CANCEL_BOUND_S)
+            returned_s = time.monotonic() - cancelled_at
+            assert done, f"a cancelled call still waited for the outage after {CANCEL_BOUND_S:.0f}s"
+        assert call.cancelled(), call
+        print(f"\n[patience] the cancelled call returned {returned_s:.1f}s after its cancellation")
+        assert (await store.query_rollouts(limit=0)).total == 1  # the same store goes on after the outage
+    finally:
+        if call is not None:  # the database answers again: a call still waiting ends before close()
+            await asyncio.wait({call}, timeout=RUN_TIMEOUT_S)
+        await store.close()
