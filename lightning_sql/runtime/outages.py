@@ -1,4 +1,6 @@
-"""How the Trainer's side of a run lives through a database outage (docs/adr/0012-the-trainer-waits-outages-out.md).
+"""How the Trainer's side of a run lives through a database outage.
+
+The decision is docs/adr/0013-the-trainer-waits-outages-out.md.
 
 The algorithm's store calls run under ``outage_patience``: each waits an outage out for the Trainer's
 ``outage_timeout`` (default None: until the database answers, as runners and workers do).

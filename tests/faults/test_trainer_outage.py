@@ -1,4 +1,6 @@
-"""A Trainer waits a database outage out, as its runners and workers do (docs/adr/0012).
+"""A Trainer waits a database outage out, as its runners and workers do.
+
+The decision is docs/adr/0013-the-trainer-waits-outages-out.md.
 
 A trainer process (tests/faults/trainer_outage_driver.py: two in-process runners, an RL-shaped
 algorithm) runs half its samples; the test then makes the database unavailable and lets the
