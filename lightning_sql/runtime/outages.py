@@ -25,6 +25,7 @@ __all__ = ["OutageLog", "patience_seconds", "stopped_message"]
 logger = logging.getLogger("lightning_sql.runtime.trainer")
 
 DEFAULT_LOG_INTERVAL_S = 30.0  # for a store without connect_deadline_seconds
+END_GRACE_S = 2.0  # the store reporting no outage for this long ends one (its longest back-off is 1.5 s)
 
 
 def patience_seconds(outage_timeout: float | None) -> float:
@@ -47,7 +48,9 @@ def _clock(timestamp: float) -> str:
 class OutageLog:
     """Logs that the Trainer waits for its store: when an outage begins, again every
     ``connect_deadline_seconds`` of the store (default 30 s: where a call used to give up) while it
-    lasts, and when the database answers again.  ``check()`` is called often (every 0.1 s)."""
+    lasts, and when the database answers again.  ``check()`` is called often (every 0.1 s).  The
+    store's ``unavailable_since`` may start afresh after one back-off longer than its quiet window:
+    a gap under ``END_GRACE_S`` is the same outage, reported with its first start."""
 
     def __init__(self, store: LightningStore, run: str | None, outage_timeout: float | None) -> None:
         self.store = store
@@ -55,6 +58,7 @@ class OutageLog:
         self.outage_timeout = outage_timeout
         self.interval = max(float(getattr(store, "connect_deadline_seconds", DEFAULT_LOG_INTERVAL_S)), 1.0)
         self.since: float | None = None
+        self.last_seen = 0.0
         self.next_line = 0.0
 
     def check(self, *, answered: bool = False) -> None:
@@ -62,21 +66,23 @@ class OutageLog:
         since = None if answered else getattr(self.store, "unavailable_since", None)
         now = time.monotonic()
         if since is None:
-            if self.since is not None:
+            if self.since is not None and (answered or now - self.last_seen > END_GRACE_S):
                 logger.warning(
                     "Run %r: the store answers again (unavailable since %s); the algorithm goes on", self.run,
                     _clock(self.since),
                 )
                 self.since = None
             return
-        if self.since == since and now < self.next_line:
+        self.last_seen = now
+        if self.since is None:
+            self.since = since
+        elif now < self.next_line:
             return
         where = self.store.url if isinstance(self.store, PersistentStore) else type(self.store).__name__
         logger.warning(
             "Run %r: the store %s is unavailable since %s (%.0f s); the algorithm waits for it %s",
-            self.run, where, _clock(since), time.time() - since, _patience(self.outage_timeout),
+            self.run, where, _clock(self.since), time.time() - self.since, _patience(self.outage_timeout),
         )
-        self.since = since
         self.next_line = now + self.interval
 
 

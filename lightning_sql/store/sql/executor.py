@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 NOTIFY_CHANNEL = "lightning_sql_v1"
-OUTAGE_QUIET_S = 3.0  # an outage ends once no replay has failed for this long (twice the longest back-off)
+OUTAGE_QUIET_S = 1.5  # an outage ends once no replay has failed for this long
 MAX_BATCH_CALLS = 64  # calls of one operation per batch: bounds a statement's parameters and rows
 
 

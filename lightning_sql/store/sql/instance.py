@@ -481,8 +481,9 @@ class StoreInstance:
                 )
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - as the lazy sweep: never fails the caller's call
-                logger.warning("Looking for tables to ANALYZE failed; it will be retried", exc_info=True)
+            except Exception as exc:  # noqa: BLE001 - as the lazy sweep: never fails the caller's call
+                outage = isinstance(exc, StoreUnavailableError)
+                logger.warning("Looking for tables to ANALYZE failed; it will be retried: %s", exc, exc_info=not outage)
             else:
                 if analysed:
                     logger.info("Analysed %s (planner statistics) in schema %s", ", ".join(analysed), schema)
