@@ -28,11 +28,12 @@ from lightning_sql.runtime.execution import (
 )
 from lightning_sql.runtime.fit_session import FitStart, announce_fit, prepare_fit, summarise_fit
 from lightning_sql.runtime.hooks import Hook
+from lightning_sql.runtime.outages import OutageLog, patience_seconds, stopped_message
 from lightning_sql.runtime.progress import RunProgress
 from lightning_sql.runtime.runner import LitAgentRunner, Runner
 from lightning_sql.runtime.summary import FitSummary
 from lightning_sql.runtime.tracer import NoopTracer, OtelTracer, Tracer
-from lightning_sql.store import StoreUnavailableError
+from lightning_sql.store import StoreUnavailableError, outage_patience
 from lightning_sql.store.base import LightningStore, PersistentStore
 from lightning_sql.types import NamedResources, RolloutConfig
 
@@ -245,19 +246,25 @@ class _AlgorithmBundle:
         algorithm.set_adapter(self.trainer.adapter)
         algorithm.set_initial_resources(self.trainer.initial_resources)
         algorithm.set_llm_proxy(self.trainer.llm_proxy)
-        if algorithm.is_async():
-            work = asyncio.ensure_future(algorithm.run(self.train_dataset, self.val_dataset))
-        else:
-            work = asyncio.ensure_future(asyncio.to_thread(algorithm.run, self.train_dataset, self.val_dataset))
+        outages = OutageLog(store, self.trainer.run, self.trainer.outage_timeout)
+        # The algorithm's task (and the threads and tasks it starts) copies this context: its store
+        # calls wait an outage out for outage_timeout, as runners do, instead of connect_deadline_seconds.
+        with outage_patience(patience_seconds(self.trainer.outage_timeout)):
+            if algorithm.is_async():
+                work = asyncio.ensure_future(algorithm.run(self.train_dataset, self.val_dataset))
+            else:
+                work = asyncio.ensure_future(asyncio.to_thread(algorithm.run, self.train_dataset, self.val_dataset))
         try:
             while not work.done():
                 await asyncio.wait({work}, timeout=STOP_POLL_INTERVAL_S)
+                outages.check()
                 if event.is_set() and not work.done():
                     await asyncio.wait({work}, timeout=ALGORITHM_GRACE_S)
                     if not work.done():
                         logger.warning("Stopping: the algorithm did not finish after the runners stopped")
                         work.cancel()
             work.result()
+            outages.check(answered=True)
         finally:
             if not work.done():
                 work.cancel()
@@ -303,6 +310,12 @@ class Trainer:
     ``llm_proxy`` (an ``LLMProxy``, its class, a dict of its arguments, or a name / import path) records
     the agents' model calls: the Trainer gives it its store, starts it before the runners, hands it to the
     algorithm (``set_llm_proxy``) and stops it when ``fit`` ends.
+
+    A database outage (a stopped server, a full disk) is waited out: runners retry, and each store call
+    of the algorithm (and of ``fit``'s own book-keeping at the end) waits up to ``outage_timeout``
+    seconds for the database, default None: as long as it takes, logging every
+    ``connect_deadline_seconds`` that it waits and since when.  Past the bound ``fit`` stops with
+    ``SystemExit`` naming the run, which stays active and resumes with the same ``fit``.
     """
 
     def __init__(
@@ -328,6 +341,7 @@ class Trainer:
         summary: bool = True,
         accept_changes: bool = False,
         llm_proxy: Any = None,
+        outage_timeout: float | None = None,
     ) -> None:
         if n_workers is not None:
             warnings.warn("Trainer(n_workers=...) is deprecated; use n_runners", DeprecationWarning, stacklevel=2)
@@ -347,6 +361,11 @@ class Trainer:
             raise TypeError(f"rollout_config must be a RolloutConfig or None, got {rollout_config!r}")
         if run is not None and (not isinstance(run, str) or not run):
             raise ValueError(f"run must be a non-empty str or None, got {run!r}")
+        if outage_timeout is not None and (
+            isinstance(outage_timeout, bool) or not isinstance(outage_timeout, (int, float)) or not outage_timeout >= 0
+        ):
+            raise ValueError(f"outage_timeout must be a number of seconds >= 0 or None, got {outage_timeout!r}")
+        self.outage_timeout = None if outage_timeout is None else float(outage_timeout)
         self.dev_mode = dev
         self.n_runners = 1 if n_runners is None else n_runners
         if self.n_runners < 0:
@@ -409,6 +428,9 @@ class Trainer:
         Raises:
             RunChangedError: the run was started with other datasets, initial resources or algorithm
                 (and ``accept_changes`` is false); nothing was enqueued.
+            SystemExit: the store cannot be opened at the start, or a store call of the algorithm found
+                the database unavailable for longer than ``outage_timeout`` (the message names the run,
+                which stays active, and how to resume it).
         """
         if self.dev_mode:
             return self.dev(agent, train_dataset, val_dataset)
@@ -451,19 +473,23 @@ class Trainer:
         if own_proxy:  # up before the first runner can claim a rollout
             asyncio.run(proxy.start())
         try:
-            self.strategy.execute(algorithm_bundle, runner_bundle, self.store)
-        finally:
-            if own_proxy:
-                asyncio.run(proxy.stop())
-        summary = asyncio.run(self._finish(start))
+            try:
+                self.strategy.execute(algorithm_bundle, runner_bundle, self.store)
+            finally:
+                if own_proxy:
+                    asyncio.run(proxy.stop())
+            summary = asyncio.run(self._finish(start))
+        except StoreUnavailableError as exc:  # past outage_timeout, or a database that went away
+            raise SystemExit(stopped_message(self.store, self.run, self.outage_timeout, exc)) from exc
         if self.summary and console is not None:
             console.print(summary)
         return summary
 
     async def _finish(self, start: FitStart) -> FitSummary:
-        if isinstance(self.store, PersistentStore):
-            await self.store.mark_run_finished()
-        return await summarise_fit(self.store, start)
+        with outage_patience(patience_seconds(self.outage_timeout)):
+            if isinstance(self.store, PersistentStore):
+                await self.store.mark_run_finished()
+            return await summarise_fit(self.store, start)
 
     @staticmethod
     def _resolve_agent(agent: Any) -> LitAgent[Any]:

@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -302,6 +303,29 @@ def fill_disk(directory: Path, name: str = "filler.bin") -> Path:
     return path
 
 
+@contextmanager
+def full_disk(disk: Path, database: Path) -> Iterator[None]:
+    """The disk is full, and the database's WAL file empty, until the block ends."""
+    wal = Path(f"{database}-wal")
+    for _ in range(100):
+        checkpoint = sqlite3.connect(database)
+        try:
+            busy, _, _ = checkpoint.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        finally:
+            checkpoint.close()
+        filler = fill_disk(disk)
+        if busy == 0 and (not wal.exists() or wal.stat().st_size == 0):
+            break
+        filler.unlink()  # a reader or a write came in between: again
+        time.sleep(0.05)
+    else:
+        raise RuntimeError(f"the WAL of {database} never emptied before the disk was filled")
+    try:
+        yield
+    finally:
+        filler.unlink()
+
+
 # --- `lightning-sql worker` subprocesses -------------------------------------------------------------
 
 
@@ -390,6 +414,7 @@ __all__ = [
     "ThrowawayPostgres",
     "WorkerProcess",
     "fill_disk",
+    "full_disk",
     "free_port",
     "lightning_sql_script",
     "pg_bin",

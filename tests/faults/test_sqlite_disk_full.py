@@ -22,11 +22,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import sqlite3
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +33,7 @@ import pytest
 from lightning_sql import LitAgent, SqlLightningStore, StoreUnavailableError
 from lightning_sql.runtime.worker import run_worker_async
 from lightning_sql.types import Rollout
-from tests.faults.servers import CannotMount, fill_disk, small_tmpfs
+from tests.faults.servers import CannotMount, full_disk, small_tmpfs
 from tests.faults.support import assert_consistent, sized
 
 pytestmark = pytest.mark.slow
@@ -56,29 +54,6 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         if REQUIRE_TMPFS:
             pytest.fail(f"a full disk needs a tmpfs, required in CI (LIGHTNING_SQL_REQUIRE_TMPFS=1): {exc}", pytrace=False)
         pytest.skip(f"a full disk needs a tmpfs this process may mount (run as root): {exc}")
-
-
-@contextmanager
-def full_disk(disk: Path, database: Path) -> Iterator[None]:
-    """The disk is full, and the database's WAL file empty, until the block ends."""
-    wal = Path(f"{database}-wal")
-    for _ in range(100):
-        checkpoint = sqlite3.connect(database)
-        try:
-            busy, _, _ = checkpoint.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
-        finally:
-            checkpoint.close()
-        filler = fill_disk(disk)
-        if busy == 0 and (not wal.exists() or wal.stat().st_size == 0):
-            break
-        filler.unlink()  # a reader or a write came in between: again
-        time.sleep(0.05)
-    else:
-        raise RuntimeError(f"the WAL of {database} never emptied before the disk was filled")
-    try:
-        yield
-    finally:
-        filler.unlink()
 
 
 def seconds_full() -> float:

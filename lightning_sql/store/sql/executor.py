@@ -279,6 +279,7 @@ class Executor:
         self.closed = False
         self.schema_ready: tuple[bool, bool] | None = None  # (auto_migrate, read_only) that succeeded
         self._last_failed_replay: float | None = None
+        self._outage_since = 0.0  # time.time() of the first failed replay of the outage in progress
 
     @property
     def dialect(self) -> str:
@@ -326,10 +327,19 @@ class Executor:
         if attempt < 1:
             return
         now = time.monotonic()
-        if self._last_failed_replay is None or now - self._last_failed_replay > OUTAGE_QUIET_S:
+        if self.unavailable_since() is None:
+            self._outage_since = time.time()
             name = "PostgreSQL" if self.dialect == "postgresql" else "SQLite"
-            logger.warning("%s %s: %s; retrying until it answers", name, self.target.masked, reason(exc, self.target))
+            logger.warning(
+                "%s %s: %s; retrying each call until it answers or its deadline passes",
+                name, self.target.masked, reason(exc, self.target),
+            )
         self._last_failed_replay = now
+
+    def unavailable_since(self) -> float | None:
+        """When (``time.time()``) the outage in progress began; None: no replay failed lately."""
+        last = self._last_failed_replay
+        return None if last is None or time.monotonic() - last > OUTAGE_QUIET_S else self._outage_since
 
     def after_commit(self, events: Events) -> None:
         for run_id, _kind in events.events:

@@ -9,13 +9,14 @@ fork handling.  Durable state lives in the database; this is the little that liv
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from typing import Any, Self, TypeVar
 
@@ -25,6 +26,7 @@ from lightning_sql.store.sql import dialect as d
 from lightning_sql.store.sql import planner_stats, sweeper
 from lightning_sql.store.sql import runs as run_units
 from lightning_sql.store.sql import schema as s
+from lightning_sql.store.sql.errors import StoreUnavailableError
 from lightning_sql.store.sql.executor import (
     Executor,
     Operation,
@@ -67,12 +69,14 @@ def _reset_instances_after_fork() -> None:
 os.register_at_fork(after_in_child=_reset_instances_after_fork)
 
 
-async def _outcome(fut: asyncio.Future[T]) -> T:
+async def _outcome(call: Operation, fut: asyncio.Future[T], grace_s: float) -> T:
     """The result of a unit that was handed over; a cancelled caller still lets it complete or roll
-    back as a whole, then re-raises (a cancelled claim never leaves an ownerless rollout)."""
+    back as a whole, then re-raises (a cancelled claim never leaves an ownerless rollout), waiting
+    out an outage for ``grace_s`` at most (however patient its call was)."""
     try:
         return await asyncio.shield(fut)
     except asyncio.CancelledError:
+        call.deadline = min(call.deadline, time.monotonic() + grace_s)
         while not fut.done():
             try:
                 await asyncio.shield(fut)
@@ -86,6 +90,24 @@ async def _outcome(fut: asyncio.Future[T]) -> T:
 # When the public call in progress in this context must be answered by (monotonic seconds): the
 # units of one call share its connect_deadline_seconds instead of each having a fresh one.
 _call_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("lightning_sql_call_deadline", default=None)
+# How long the calls made in this context retry an unavailable database instead of the store's
+# connect_deadline_seconds (math.inf: until it answers); set by outage_patience().
+_patience: contextvars.ContextVar[float | None] = contextvars.ContextVar("lightning_sql_patience", default=None)
+
+
+@contextlib.contextmanager
+def outage_patience(seconds: float) -> Iterator[None]:
+    """Store calls made inside the block, and in the tasks and threads started from it (they copy
+    the context), retry a database outage for ``seconds`` (``math.inf``: until it answers) instead
+    of ``connect_deadline_seconds`` before they raise ``StoreUnavailableError``; a cancelled call
+    still returns within ``connect_deadline_seconds``.  The Trainer runs its algorithm inside one."""
+    if not seconds >= 0:
+        raise ValueError(f"outage patience must be >= 0 seconds, got {seconds!r}")
+    token = _patience.set(float(seconds))
+    try:
+        yield
+    finally:
+        _patience.reset(token)
 
 
 _PER_PROCESS_STATE = frozenset(
@@ -311,8 +333,20 @@ class StoreInstance:
         """Hand ``call`` to the executor and wait for its outcome, cancellation-safe; the call's
         deadline is what is left of the public call's ``connect_deadline_seconds``."""
         deadline_at = _call_deadline.get()
-        call.deadline = time.monotonic() + self.connect_deadline_seconds if deadline_at is None else deadline_at
-        return await _outcome(worker.submit(call))
+        call.deadline = self._deadline_at() if deadline_at is None else deadline_at
+        return await _outcome(call, worker.submit(call), self.connect_deadline_seconds)
+
+    def _deadline_at(self) -> float:
+        """When a call starting now gives up on an unavailable database (monotonic seconds)."""
+        patience = _patience.get()
+        return time.monotonic() + (self.connect_deadline_seconds if patience is None else patience)
+
+    @property
+    def unavailable_since(self) -> float | None:
+        """Since when (a ``time.time()`` timestamp) this process's calls to the store's database have
+        been failing and retried (a stopped server, a full disk), or None: no outage."""
+        worker = self._worker
+        return None if worker is None else worker.unavailable_since()
 
     async def _prepare(self, *, needs_run: bool = True) -> tuple[Executor, int | None]:
         worker = self._attach()
@@ -352,7 +386,7 @@ class StoreInstance:
         checker, the analysis helpers and ``lightning-sql gc`` (docs/architecture.md §7)."""
         if write:
             self._check_writable("run_sql")
-        token = _call_deadline.set(time.monotonic() + self.connect_deadline_seconds)
+        token = _call_deadline.set(self._deadline_at())
         try:
             worker, run_id = await self._prepare(needs_run=bound)
 
@@ -394,7 +428,7 @@ class StoreInstance:
         call's ``connect_deadline_seconds`` covers all of it (schema check, sweep and operation)."""
         if write:
             self._check_writable(method)
-        token = _call_deadline.set(time.monotonic() + self.connect_deadline_seconds)
+        token = _call_deadline.set(self._deadline_at())
         try:
             worker, run_id = await self._prepare()
             assert run_id is not None
@@ -433,8 +467,9 @@ class StoreInstance:
             await self._submit(worker, lambda ctx: sweeper.expire_leases(ctx, run_id, now), write=True)
         except asyncio.CancelledError:
             raise
-        except Exception:  # noqa: BLE001 - a lazy sweep must not fail the caller's call
-            logger.warning("Lazy sweep failed; it will be retried", exc_info=True)
+        except Exception as exc:  # noqa: BLE001 - a lazy sweep must not fail the caller's call
+            outage = isinstance(exc, StoreUnavailableError)  # logged by the executor: no traceback
+            logger.warning("Lazy sweep failed; it will be retried: %s", exc, exc_info=not outage)
         finally:
             with self._sweep_lock:
                 self._sweeping = False
@@ -446,8 +481,9 @@ class StoreInstance:
                 )
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - as the lazy sweep: never fails the caller's call
-                logger.warning("Looking for tables to ANALYZE failed; it will be retried", exc_info=True)
+            except Exception as exc:  # noqa: BLE001 - as the lazy sweep: never fails the caller's call
+                outage = isinstance(exc, StoreUnavailableError)
+                logger.warning("Looking for tables to ANALYZE failed; it will be retried: %s", exc, exc_info=not outage)
             else:
                 if analysed:
                     logger.info("Analysed %s (planner statistics) in schema %s", ", ".join(analysed), schema)
