@@ -56,14 +56,16 @@ class OutageLog:
         self.store = store
         self.run = run
         self.outage_timeout = outage_timeout
-        self.interval = max(float(getattr(store, "connect_deadline_seconds", DEFAULT_LOG_INTERVAL_S)), 1.0)
+        deadline = store.connect_deadline_seconds if isinstance(store, PersistentStore) else DEFAULT_LOG_INTERVAL_S
+        self.interval = max(float(deadline), 1.0)
         self.since: float | None = None
         self.last_seen = 0.0
         self.next_line = 0.0
 
     def check(self, *, answered: bool = False) -> None:
         """Log what is due; ``answered``: the algorithm's calls returned (it finished)."""
-        since = None if answered else getattr(self.store, "unavailable_since", None)
+        store = self.store
+        since = store.unavailable_since if isinstance(store, PersistentStore) and not answered else None
         now = time.monotonic()
         if since is None:
             if self.since is not None and (answered or now - self.last_seen > END_GRACE_S):

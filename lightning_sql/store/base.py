@@ -49,7 +49,11 @@ class PersistentStore(Protocol):
 
     read_only: bool
     scan_debounce_seconds: float
+    connect_deadline_seconds: float
     default_rollout_config: RolloutConfig | None
+
+    @property
+    def unavailable_since(self) -> float | None: ...
 
     @property
     def run(self) -> str | None: ...

@@ -70,6 +70,8 @@ def outage(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Outage]:
                 database = disk / "store.db"
                 yield Outage(f"sqlite:///{database}", lambda: full_disk(disk, database))
         except CannotMount as exc:
+            if os.environ.get("LIGHTNING_SQL_REQUIRE_TMPFS") == "1":
+                pytest.fail(f"a full disk needs a tmpfs, required in CI (LIGHTNING_SQL_REQUIRE_TMPFS=1): {exc}", pytrace=False)
             pytest.skip(f"a full disk needs a tmpfs this process may mount (run as root): {exc}")
         return
     pg: ThrowawayPostgres = request.getfixturevalue("throwaway_pg")
