@@ -221,8 +221,10 @@ LOCK_ORDER_ROLLOUTS = 24  # enough that the planner's own row order (a hash, a j
 
 
 @pytest.mark.postgres
-@pytest.mark.parametrize("operation", ["add_many_spans", "get_many_span_sequence_ids"])
-@pytest.mark.parametrize("held", ["rollouts", "attempts"])
+@pytest.mark.parametrize(
+    ("operation", "held"),  # a sequence-id reservation locks no attempt row
+    [("add_many_spans", "rollouts"), ("add_many_spans", "attempts"), ("get_many_span_sequence_ids", "rollouts")],
+)
 async def test_span_writes_lock_rollouts_in_id_order_then_attempts(
     pg_backend: BackendSpec, operation: str, held: str
 ) -> None:
@@ -233,8 +235,6 @@ async def test_span_writes_lock_rollouts_in_id_order_then_attempts(
     attempt held, every rollout row of the batch, and exactly the attempts before it."""
     schema = pg_backend.schema
     assert schema is not None
-    if operation == "get_many_span_sequence_ids" and held == "attempts":
-        pytest.skip("a sequence-id reservation locks no attempt row")
     store = pg_backend.open(run="r", clock_sync=False)
     try:
         started = [await store.start_rollout(input={"i": i}) for i in range(LOCK_ORDER_ROLLOUTS)]
