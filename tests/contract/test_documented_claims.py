@@ -7,6 +7,7 @@ both backends.  Nothing is mocked: errors, locks and notifications are the serve
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import time
 import uuid
@@ -275,17 +276,17 @@ async def test_span_writes_lock_rollouts_in_id_order_then_attempts(
 
 
 @pytest.mark.postgres
-async def test_one_notification_per_event_kind_per_transaction(pg_backend: BackendSpec) -> None:
+async def test_one_notification_per_event_kind_per_transaction(pg_backend: BackendSpec, caplog: Any) -> None:
     """store-contract §2.12: "at most once per event kind per transaction (coalesced: a sweep that fails
     100 rollouts sends one)".  A LISTEN on a connection of the test's own counts what arrives: an enqueue
     of 30 rollouts sends one `queued`; a sweep that times out 20 attempts, 10 of them retried, sends one
-    `finished` and one `queued`; a call that changes no rollout's state sends nothing.  (PostgreSQL itself
-    folds identical payloads of one transaction into one: what this proves is that each kind is sent,
-    after the commit, once per transaction and never per rollout of separate statements.)"""
+    `finished` and one `queued`; a read sends nothing.  PostgreSQL itself folds identical payloads of one
+    transaction into one, so the sweep's side is also read from what the store sends: its statements as
+    SQLAlchemy logs them (the store's ``echo`` option), one ``pg_notify`` with one payload per kind."""
     schema = pg_backend.schema
     assert schema is not None
     clock = FakeClock(1_800_000_000.0)
-    store = pg_backend.open(run="r", clock=clock, clock_sync=False, scan_debounce_seconds=0)
+    store = pg_backend.open(run="r", clock=clock, clock_sync=False, scan_debounce_seconds=0, echo=True)
     received: list[str] = []
     listener = await asyncpg.connect(_dsn())
     try:
@@ -310,8 +311,17 @@ async def test_one_notification_per_event_kind_per_transaction(pg_backend: Backe
         await asyncio.sleep(0.5)
         received.clear()  # what starting them sent is not this test's business
         clock.advance(11)
+        caplog.set_level("INFO", logger="sqlalchemy.engine.Engine")
+        caplog.clear()
         assert await store.sweep() == 20
         assert await settle(["finished", "queued"]) == [f"{run_id}:finished", f"{run_id}:queued"]
+        messages = [r.getMessage() for r in caplog.records if r.name == "sqlalchemy.engine.Engine"]
+        sent = [
+            ast.literal_eval(messages[i + 1].split("] ", 1)[1])[1]  # (channel, payloads) follow the statement
+            for i, message in enumerate(messages)
+            if "pg_notify" in message and i + 1 < len(messages)
+        ]
+        assert sent == [[f"{run_id}:finished", f"{run_id}:queued"]], messages
 
         await store.query_rollouts()  # a read: nothing
         await asyncio.sleep(0.5)
