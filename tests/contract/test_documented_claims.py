@@ -361,12 +361,6 @@ async def test_sslmode_is_translated_for_asyncpg(pg_backend: BackendSpec) -> Non
 
 
 @pytest.mark.postgres
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="issue 42: urls.py passes connect_timeout to asyncpg's timeout as text, and every connection "
-    "fails with a TypeError (docs/store-contract.md §4 says so)",
-)
 async def test_connect_timeout_is_translated_for_asyncpg(pg_backend: BackendSpec) -> None:
     store = SqlLightningStore(f"{PG_URL}?connect_timeout=7", schema=pg_backend.schema, run="r", clock_sync=False)
     try:
@@ -376,11 +370,6 @@ async def test_connect_timeout_is_translated_for_asyncpg(pg_backend: BackendSpec
 
 
 @pytest.mark.postgres
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 42: urls.py drops application_name, so the server never sees it "
-    "(docs/store-contract.md §4 says so)",
-)
 async def test_application_name_reaches_the_server(pg_backend: BackendSpec) -> None:
     name = f"lsql_{uuid.uuid4().hex[:8]}"
     store = SqlLightningStore(f"{PG_URL}?application_name={name}", schema=pg_backend.schema, run="r", clock_sync=False)

@@ -84,3 +84,13 @@ async def test_an_aiosqlite_url_names_the_same_store_as_the_plain_sqlite_url(tmp
         await plain.close()
     with pytest.raises(ValueError, match="In-memory databases are served by the plain sqlite:// URL"):
         SqlLightningStore("sqlite+aiosqlite://", run="r")
+
+
+def test_libpq_connection_options_become_asyncpg_connection_arguments() -> None:
+    from lightning_sql.store.sql.urls import normalise_url
+
+    target = normalise_url("postgresql://u@h/db?connect_timeout=7&application_name=trainer&sslmode=require")
+    assert target.options["connect_args"] == {"timeout": 7.0, "server_settings": {"application_name": "trainer"}}
+    assert dict(target.url.query) == {"ssl": "require"}
+    with pytest.raises(ValueError, match="connect_timeout .* must be seconds"):
+        normalise_url("postgresql://u@h/db?connect_timeout=soon")

@@ -361,7 +361,7 @@ def _key(target: DatabaseTarget, schema: str | None, options: dict[str, Any]) ->
         target.dialect,  # sqlite:// and sqlite+aiosqlite:// of one file share the executor
         target.url.render_as_string(hide_password=False),
         schema,
-        tuple(sorted((k, repr(v)) for k, v in options.items())),
+        tuple(sorted((k, repr(v)) for k, v in {**target.options, **options}.items())),  # the URL's too
     )
 
 

@@ -310,9 +310,12 @@ class PostgresExecutor(Executor):
     def _make_engine(self) -> AsyncEngine:
         opts = dict(self.options)
         kwargs: dict[str, Any] = {}
-        for key in ("pool_recycle", "connect_args"):
-            if key in opts:
-                kwargs[key] = opts[key]
+        if "pool_recycle" in opts:
+            kwargs["pool_recycle"] = opts["pool_recycle"]
+        # The URL's own (connect_timeout, application_name: urls.normalise_url), then the store's.
+        connect_args = {**self.target.options.get("connect_args", {}), **opts.get("connect_args", {})}
+        if connect_args:
+            kwargs["connect_args"] = connect_args
         url = self.target.url
         if self.pooled:
             # Behind a transaction pooler a statement prepared in one transaction may not exist in

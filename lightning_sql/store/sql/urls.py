@@ -23,8 +23,9 @@ def mask_url(url: URL | str) -> str:
 
 _PG_DRIVERS = ("psycopg2", "psycopg", "asyncpg", "pg8000")
 _PG_DRIVER_ALIASES = {"postgresql", "postgres", *(f"postgresql+{driver}" for driver in _PG_DRIVERS)}
-# libpq query options that asyncpg takes under another name (or not at all).
-_LIBPQ_TRANSLATIONS = {"sslmode": "ssl", "connect_timeout": "timeout", "application_name": None}
+# libpq query options asyncpg takes under another name in its URL; connect_timeout and
+# application_name become connection arguments instead (seconds as a number; a server setting).
+_LIBPQ_TRANSLATIONS = {"sslmode": "ssl"}
 
 
 @dataclass(frozen=True)
@@ -97,9 +98,18 @@ def normalise_url(raw: str | URL) -> DatabaseTarget:
                 raise ValueError(f"pool_size in {mask_url(url)!r} must be >= 1, got {value!r}")
         for key in list(query):
             if key in _LIBPQ_TRANSLATIONS:
-                new_key = _LIBPQ_TRANSLATIONS[key]
-                value = query.pop(key)
-                if new_key is not None:
-                    query[new_key] = value
+                query[_LIBPQ_TRANSLATIONS[key]] = query.pop(key)
+        connect_args: dict[str, Any] = {}
+        if "connect_timeout" in query:
+            value = query.pop("connect_timeout")
+            try:
+                connect_args["timeout"] = float(value if isinstance(value, str) else value[-1])
+            except ValueError:
+                raise ValueError(f"connect_timeout in {mask_url(url)!r} must be seconds, got {value!r}") from None
+        if "application_name" in query:
+            value = query.pop("application_name")
+            connect_args["server_settings"] = {"application_name": value if isinstance(value, str) else value[-1]}
+        if connect_args:
+            options["connect_args"] = connect_args
         return DatabaseTarget("postgresql", url.set(drivername="postgresql+asyncpg", query=query), options=options)
     raise ValueError(f"Unsupported database URL {mask_url(url)!r}: {URL_FORMS}")
