@@ -109,9 +109,12 @@ class SqlLightningStore(StoreInstance, LightningStore):
         metadata: dict[str, Any] | None = None,
         *,
         idempotency_key: str | None = None,
+        priority: int = 0,
     ) -> Rollout:
         self._check_writable("enqueue_rollout")
-        item = validation.new_rollout(self.default_rollout_config, input, mode, resources_id, config, metadata, idempotency_key)
+        item = validation.new_rollout(
+            self.default_rollout_config, input, mode, resources_id, config, metadata, idempotency_key, priority=priority
+        )
         (result,) = await self._call(
             "enqueue_rollout", lambda ctx, run_id, now: ro.enqueue(ctx, run_id, now, [item]), write=True, sweeps=True
         )
@@ -125,7 +128,8 @@ class SqlLightningStore(StoreInstance, LightningStore):
                 req = EnqueueRolloutRequest.model_validate(req)
             items.append(
                 validation.new_rollout(self.default_rollout_config,
-                    req.input, req.mode, req.resources_id, req.config, req.metadata, req.idempotency_key, f"requests[{i}]."
+                    req.input, req.mode, req.resources_id, req.config, req.metadata, req.idempotency_key, f"requests[{i}].",
+                    req.priority,
                 )
             )
         if not items:
@@ -179,9 +183,11 @@ class SqlLightningStore(StoreInstance, LightningStore):
         status: RolloutStatus | Unset = UNSET,
         config: RolloutConfig | Unset = UNSET,
         metadata: dict[str, Any] | None | Unset = UNSET,
+        *,
+        priority: int | Unset = UNSET,
     ) -> Rollout:
         self._check_writable("update_rollout")
-        changes = validation.rollout_changes(input, mode, resources_id, status, config, metadata)
+        changes = validation.rollout_changes(input, mode, resources_id, status, config, metadata, priority)
         if not is_storable_text(rollout_id):
             raise ValueError(f"Item does not exist with primary key(s): rollout_id='{rollout_id}'")
         return await self._call(
@@ -372,13 +378,17 @@ class SqlLightningStore(StoreInstance, LightningStore):
             while True:
                 self._check_not_closed_since("wait_for_queue", close_count)
                 entry[1].clear()
-                if await self._submit(worker, lambda ctx: ro.has_queued(ctx, run_id), write=False):
+                now = self.now()
+                ready, due = await self._submit(worker, lambda ctx, now=now: ro.queue_state(ctx, run_id, now), write=False)
+                if ready:
                     return True
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
+                # A rollout in back-off becomes due without a notification: wake at its time.
+                wait_s = min(WAIT_FALLBACK_POLL_S, remaining, WAIT_FALLBACK_POLL_S if due is None else max(due - now, 0.01))
                 try:
-                    await asyncio.wait_for(entry[1].wait(), timeout=min(WAIT_FALLBACK_POLL_S, remaining))
+                    await asyncio.wait_for(entry[1].wait(), timeout=wait_s)
                 except TimeoutError:
                     pass
         finally:
