@@ -329,3 +329,80 @@ def _below_the_limit(nodes: list[dict[str, Any]], index: str) -> list[str]:
         between.append(node["Node Type"])
         node = parents[id(node)]
     return between
+
+
+# --- cancel ------------------------------------------------------------------------------------
+
+
+async def test_cancel_rollout_takes_a_queued_rollout_out_for_good(store: SqlLightningStore, clock: Any) -> None:
+    keep = await store.enqueue_rollout("keep")
+    gone = await store.enqueue_rollout("gone", priority=9)
+    cancelled = await store.cancel_rollout(gone.rollout_id)
+    assert cancelled.status == "cancelled" and cancelled.end_time == clock()
+    assert await drain(store) == [keep.rollout_id]
+    assert (await store.wait_for_rollouts(rollout_ids=[gone.rollout_id], timeout=0))[0].status == "cancelled"
+    # Idempotent on a finished rollout; an unknown id is refused.
+    clock.advance(5)
+    again = await store.cancel_rollout(gone.rollout_id)
+    assert again.status == "cancelled" and again.end_time == cancelled.end_time
+    done = await store.update_attempt(keep.rollout_id, "latest", status="succeeded")
+    assert done.status == "succeeded"
+    assert (await store.cancel_rollout(keep.rollout_id)).status == "succeeded"
+    with pytest.raises(ValueError, match="not found"):
+        await store.cancel_rollout("ro-missing")
+
+
+async def test_cancel_run_ends_queued_delayed_and_running_rollouts(store: SqlLightningStore, clock: Any) -> None:
+    from lightning_sql.checker import check_invariants
+
+    finished = await store.enqueue_rollout("finished")
+    await store.dequeue_rollout()
+    await store.update_attempt(finished.rollout_id, "latest", status="succeeded")
+    delayed = await store.enqueue_rollout("delayed", config=BACKOFF)
+    await store.dequeue_rollout()
+    await _fail_latest(store, delayed.rollout_id)
+    running = await store.enqueue_rollout("running")
+    claimed = await store.dequeue_rollout(worker_id="w")
+    assert claimed is not None and claimed.rollout_id == running.rollout_id
+    await store.update_attempt(running.rollout_id, claimed.attempt.attempt_id, status="running", metadata={"step": 3})
+    queued = await store.enqueue_many_rollouts([EnqueueRolloutRequest(input=i) for i in range(3)])
+
+    assert await store.cancel_run() == 5
+    statuses = {r.rollout_id: r.status for r in await store.query_rollouts()}
+    assert statuses.pop(finished.rollout_id) == "succeeded"
+    assert set(statuses.values()) == {"cancelled"} and len(statuses) == 5
+    attempt = await store.get_latest_attempt(running.rollout_id)
+    assert attempt is not None and attempt.status == "failed" and attempt.end_time == clock()
+    assert attempt.metadata == {"step": 3, "error": {"type": "cancelled", "message": "the rollout was cancelled", "traceback": ""}}
+    clock.advance(1000)  # the back-off is over: still nothing to claim
+    assert await store.dequeue_many_rollouts(limit=10) == []
+    assert not await store.wait_for_queue(timeout=0)
+    assert [r.rollout_id for r in queued if r.rollout_id in statuses] == [r.rollout_id for r in queued]
+    assert await check_invariants(store) == []
+    assert await store.cancel_run() == 0
+
+
+async def test_a_running_agent_is_stopped_at_its_next_heartbeat(store_factory: Any) -> None:
+    from lightning_sql import LitAgentRunner
+    from tests.runtime.test_leases import BlockingAgent
+
+    store = store_factory()
+    rollout = await store.enqueue_rollout({"x": 1})
+    agent = BlockingAgent()
+    runner: Any = LitAgentRunner(max_rollouts=1, poll_interval=0.2, heartbeat_interval=0.2, interval_jitter=0.0)
+    runner.init(agent)
+    runner.init_worker(0, store)
+    task = asyncio.ensure_future(runner.iter())
+    await asyncio.wait_for(agent.started.wait(), 30)
+    started = time.monotonic()
+    await store.cancel_rollout(rollout.rollout_id)
+    for _ in range(200):
+        if agent.cancelled:
+            break
+        await asyncio.sleep(0.05)
+    assert agent.cancelled == 1 and time.monotonic() - started < 5.0
+    await asyncio.wait_for(task, 30)  # max_rollouts=1: the abandoned attempt was its one rollout
+    attempt = await store.get_latest_attempt(rollout.rollout_id)
+    assert attempt is not None and attempt.status == "failed" and attempt.metadata["error"]["type"] == "cancelled"
+    assert (await store.get_rollout_by_id(rollout.rollout_id)).status == "cancelled"  # type: ignore[union-attr]
+    assert runner.completed_rollouts == 0  # not reported: the cancel ended the attempt

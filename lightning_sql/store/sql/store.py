@@ -14,12 +14,13 @@ import logging
 import time
 import warnings
 from collections.abc import Sequence
+from functools import partial
 from typing import Any, Literal, TypeVar
 
 from opentelemetry.sdk.trace import ReadableSpan
 
 from lightning_sql.store.base import LightningStore
-from lightning_sql.store.sql import attempts, validation
+from lightning_sql.store.sql import attempts, cancel, validation
 from lightning_sql.store.sql import dialect as d
 from lightning_sql.store.sql import filters as f
 from lightning_sql.store.sql import resources as res_units
@@ -159,6 +160,18 @@ class SqlLightningStore(StoreInstance, LightningStore):
         return await self._call_op(  # type: ignore[no-any-return]
             method, lambda run_id, now: Claim(run_id, attempt_ids, worker_id, now), write=True, sweeps=True
         )
+
+    async def cancel_rollout(self, rollout_id: str) -> Rollout:
+        """Cancel one unfinished rollout (docs/queue.md); a finished one is returned unchanged."""
+        self._check_writable("cancel_rollout")
+        if not is_storable_text(rollout_id):
+            raise ValueError(f"Rollout {rollout_id} not found")
+        return await self._call("cancel_rollout", lambda ctx, r, now: cancel.cancelled_rollout(ctx, r, now, rollout_id), write=True)
+
+    async def cancel_run(self) -> int:
+        """Cancel every unfinished rollout of the run (docs/queue.md); returns how many."""
+        self._check_writable("cancel_run")
+        return len(await self._call("cancel_run", lambda ctx, r, now: cancel.cancel(ctx, r, now, None), write=True))
 
     async def start_attempt(self, rollout_id: str, worker_id: str | None = None) -> AttemptedRollout:
         self._check_writable("start_attempt")
@@ -379,7 +392,7 @@ class SqlLightningStore(StoreInstance, LightningStore):
                 self._check_not_closed_since("wait_for_queue", close_count)
                 entry[1].clear()
                 now = self.now()
-                ready, due = await self._submit(worker, lambda ctx, now=now: ro.queue_state(ctx, run_id, now), write=False)
+                ready, due = await self._submit(worker, partial(ro.queue_state, run_id=run_id, now=now), write=False)
                 if ready:
                     return True
                 remaining = deadline - time.monotonic()
