@@ -52,3 +52,50 @@ def cancel_command(
                 c.print(f"{printable(rid)}: {status}")
 
         emit(as_json, {"run": name, "rollouts": statuses}, show)
+
+
+def _set_pause(paused: bool) -> click.Command:
+    verb = "pause" if paused else "resume"
+
+    @click.command(verb)
+    @run_option()
+    @click.option("--drain", "drain_timeout", type=float, default=None,
+                  help="(pause) Then wait up to this many seconds until no attempt is in flight.")
+    @common_options
+    @handled
+    def command(
+        run: str | None, drain_timeout: float | None, url: str | None, schema: str | None, connect_timeout: float,
+        as_json: bool,
+    ) -> None:
+        name = need_run(run)
+
+        async def go() -> tuple[bool, bool | None]:
+            store = writable_store(url, schema, connect_timeout, name)
+            try:
+                state = await (store.pause_run() if paused else store.resume_run())
+                drained = None
+                if paused and drain_timeout is not None:
+                    drained = bool(await store.wait_for_drain(timeout=drain_timeout))
+                return state.paused, drained
+            finally:
+                await store.close()
+
+        state, drained = asyncio.run(go())
+        data = {"run": name, "paused": state, **({} if drained is None else {"drained": drained})}
+        said = f"Run {printable(name)} is {'paused' if state else 'running'}" + (
+            "" if drained is None else ("; nothing in flight" if drained else "; attempts still in flight at the timeout")
+        )
+        emit(as_json, data, lambda c: c.print(said + "."))
+        if drained is False:
+            raise SystemExit(1)
+
+    command.help = (
+        "Pause the run: claims take nothing, on every host; attempts in flight go on (--drain waits for them)."
+        if paused
+        else "Resume the run: claims take work again and waiting runners wake."
+    )
+    return command
+
+
+pause_command = _set_pause(True)
+resume_command = _set_pause(False)

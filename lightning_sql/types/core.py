@@ -243,6 +243,8 @@ class Run(BaseModel):
     """Store-clock time the run was finished."""
     metadata: dict[str, Any] | None = None
     """The run's metadata (the constructor's `run_metadata`)."""
+    paused: bool = False
+    """(lightning_sql) Set by `pause_run`: the run's claims take nothing until `resume_run` (docs/queue.md)."""
 
 
 class Triplet(BaseModel):

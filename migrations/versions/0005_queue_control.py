@@ -1,4 +1,4 @@
-"""Queue control (docs/queue.md): priorities and retry back-off.
+"""Queue control (docs/queue.md): priorities, retry back-off and pausing a run.
 
 ``rollouts`` gains ``priority`` (higher is claimed first, FIFO within one priority), ``not_before``
 (a requeue's back-off: not claimable before it) and the back-off settings of its ``RolloutConfig``
@@ -6,7 +6,8 @@
 index ``ix_rollouts_queue`` becomes ``(run_id, priority DESC, queue_seq)`` over the claimable rows
 only (queued, no ``not_before``), and ``ix_rollouts_delayed`` ``(run_id, not_before)`` holds the
 queued rows in back-off, so a claim reads the head of each and never steps over a delayed rollout.
-Existing rows get priority 0 and no delay: they are claimed in the order they were before.
+``runs`` gains ``paused`` (1: the run's claims take nothing).  Existing rows get priority 0, no delay
+and an unpaused run: they are claimed in the order they were before.
 
 Older code must not run against this revision: its claim ignores ``not_before`` (it would claim
 rollouts in back-off) and can no longer read its queue through an index.
@@ -39,6 +40,7 @@ def upgrade() -> None:
     op.add_column("rollouts", sa.Column("retry_backoff_max_seconds", _SECONDS))
     op.add_column("rollouts", sa.Column("priority", sa.Integer(), nullable=False, server_default=sa.text("0")))
     op.add_column("rollouts", sa.Column("not_before", _SECONDS))
+    op.add_column("runs", sa.Column("paused", sa.Integer(), nullable=False, server_default=sa.text("0")))
     op.drop_index(QUEUE, table_name="rollouts")
     claimable = sa.text("queue_seq IS NOT NULL AND not_before IS NULL")
     delayed = sa.text("queue_seq IS NOT NULL AND not_before IS NOT NULL")
@@ -54,5 +56,6 @@ def downgrade() -> None:
     op.drop_index(QUEUE, table_name="rollouts")
     queued = sa.text("queue_seq IS NOT NULL")
     op.create_index(QUEUE, "rollouts", ["run_id", "queue_seq"], postgresql_where=queued, sqlite_where=queued)
+    op.drop_column("runs", "paused")
     for column in ("not_before", "priority", "retry_backoff_max_seconds", "retry_backoff_factor", "retry_backoff_seconds"):
         op.drop_column("rollouts", column)

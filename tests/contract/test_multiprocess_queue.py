@@ -189,3 +189,93 @@ async def test_a_killed_runner_of_a_backed_off_rollout_is_retried_once_after_the
         assert await check_invariants(store) == []
     finally:
         await store.close()
+
+
+# --- a pause during a multi-process run ----------------------------------------------------------
+
+PAUSE_ROLLOUTS = max(N_ROLLOUTS // 2, 64)
+
+
+def _claim_until_done(index: int, url: str, options: dict[str, Any], done: Any, results: Any) -> None:
+    async def go() -> list[tuple[int, float, float]]:
+        store = SqlLightningStore(url, **options)
+        try:
+            async def claimer(worker: str) -> list[tuple[int, float, float]]:
+                mine = []
+                while not done.is_set():
+                    started = time.monotonic()
+                    ar = await store.dequeue_rollout(worker_id=worker)
+                    if ar is None:
+                        await asyncio.sleep(0.01)
+                        continue
+                    mine.append((ar.input, started, time.monotonic()))
+                    await asyncio.sleep(0.005)  # a little work per rollout
+                    await store.update_attempt(ar.rollout_id, ar.attempt.attempt_id, status="succeeded")
+                return mine
+
+            batches = await asyncio.gather(*(claimer(f"P{index}-W{i}") for i in range(CLAIMERS_PER_PROCESS)))
+            return [item for batch in batches for item in batch]
+        finally:
+            await store.close()
+
+    try:
+        results.put((index, asyncio.run(go()), None))
+    except BaseException:  # noqa: BLE001
+        results.put((index, [], traceback.format_exc()))
+
+
+async def test_a_pause_stops_every_process_claims_within_one_claim(mp_backend: Any) -> None:
+    """No claim that started after ``pause_run`` returned and ended before ``resume_run`` was called
+    took a rollout, the queue depth stands still while paused, claims go on after the resume, and
+    every rollout is claimed exactly once."""
+    options = mp_backend.options(run="mp-pause", clock_sync=False, scan_debounce_seconds=0)
+    store = SqlLightningStore(mp_backend.url, **options)
+    ctx = mp.get_context("spawn")
+    done, results = ctx.Event(), ctx.Queue()
+    try:
+        await store.enqueue_many_rollouts([EnqueueRolloutRequest(input=i) for i in range(PAUSE_ROLLOUTS)])
+        procs = [
+            ctx.Process(target=_claim_until_done, args=(i, mp_backend.url, options, done, results), daemon=True)
+            for i in range(N_PROCESSES)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + CHILD_DEADLINE_S
+        while (await store.statistics())["queue_depth"] > PAUSE_ROLLOUTS * 3 // 4:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        await store.pause_run()
+        paused_at = time.monotonic()
+        await asyncio.sleep(0.2)  # claims that started before the pause end
+        depth = (await store.statistics())["queue_depth"]
+        await asyncio.sleep(1.5)
+        assert (await store.statistics())["queue_depth"] == depth > 0  # nothing claimed while paused
+        assert await store.wait_for_drain(timeout=30)  # the attempts claimed before the pause finished
+        resumed_at = time.monotonic()
+        await store.resume_run()
+        while (await store.statistics())["queue_depth"] > 0:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        done.set()
+        outcomes: dict[int, tuple[list[Any], str | None]] = {}
+        try:
+            while len(outcomes) < N_PROCESSES:
+                index, claimed, error = results.get(timeout=max(deadline - time.monotonic(), 0.1))
+                outcomes[index] = (claimed, error)
+        finally:
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+        errors = {i: err for i, (_c, err) in outcomes.items() if err is not None}
+        assert errors == {}, errors
+        claims = [c for claimed, _err in outcomes.values() for c in claimed]
+        assert sorted(i for i, _s, _e in claims) == list(range(PAUSE_ROLLOUTS))
+        # A claim that began after the pause and ended before the resume took nothing (one that began
+        # during the pause may run its statement after the resume: that one may take work).
+        during = [(i, s - paused_at, e - paused_at) for i, s, e in claims if paused_at < s and e < resumed_at]
+        assert during == [], (during[:5], resumed_at - paused_at)
+        assert any(s > resumed_at for _i, s, _e in claims)
+    finally:
+        done.set()  # the children stop even when an assertion failed
+        await store.close()

@@ -314,8 +314,10 @@ async def test_postgres_claim_reads_the_head_of_each_index(pg_backend: BackendSp
             assert scans == [], nodes
             assert "ix_rollouts_queue" in reads and "ix_rollouts_delayed" in reads, reads
             assert "not_before <=" in reads["ix_rollouts_delayed"], reads
-            # The claimable head comes out of the index in queue order: no Sort below its LIMIT.
-            assert _below_the_limit(nodes, "ix_rollouts_queue") == ["LockRows"], nodes
+            # The claimable head comes out of the index in queue order: no Sort below its LIMIT (a
+            # Result node is the one-time check that the run is not paused).
+            between = _below_the_limit(nodes, "ix_rollouts_queue")
+            assert "LockRows" in between and "Sort" not in between, between
     finally:
         await store.close()
 
@@ -406,3 +408,59 @@ async def test_a_running_agent_is_stopped_at_its_next_heartbeat(store_factory: A
     assert attempt is not None and attempt.status == "failed" and attempt.metadata["error"]["type"] == "cancelled"
     assert (await store.get_rollout_by_id(rollout.rollout_id)).status == "cancelled"  # type: ignore[union-attr]
     assert runner.completed_rollouts == 0  # not reported: the cancel ended the attempt
+
+
+# --- pause, drain, resume -------------------------------------------------------------------
+
+
+async def test_a_paused_run_claims_nothing_and_in_flight_attempts_finish(
+    store_factory: Any, backend: BackendSpec
+) -> None:
+    store = store_factory()
+    other = store_factory() if backend.persistent else store  # another "host" on the same database
+    running = await store.enqueue_rollout("running")
+    claimed = await store.dequeue_rollout(worker_id="w")
+    assert claimed is not None
+    queued = await store.enqueue_many_rollouts([EnqueueRolloutRequest(input=i) for i in range(3)])
+    run = await store.pause_run()
+    assert run.paused and (await other.get_run(run.name)).paused  # type: ignore[union-attr]
+    assert await other.dequeue_rollout(worker_id="w2") is None
+    assert await other.dequeue_many_rollouts(limit=5) == []
+    assert not await other.wait_for_queue(timeout=0)
+    assert not await store.wait_for_drain(timeout=0.2)  # the claimed attempt is still in flight
+    done = await other.update_attempt(running.rollout_id, claimed.attempt.attempt_id, status="succeeded")
+    assert done.status == "succeeded"
+    assert await store.wait_for_drain(timeout=5)
+    assert (await store.statistics())["queue_depth"] == 3
+    assert (await store.pause_run()).paused  # idempotent
+    resumed = await store.resume_run()
+    assert not resumed.paused
+    assert await drain(other) == [r.rollout_id for r in queued]
+
+
+async def test_resume_wakes_a_waiting_claimer(store: SqlLightningStore) -> None:
+    await store.enqueue_rollout("task")
+    await store.pause_run()
+    waiting = asyncio.ensure_future(store.wait_for_queue(timeout=20))
+    await asyncio.sleep(0.5)
+    assert not waiting.done()
+    started = time.monotonic()
+    await store.resume_run()
+    assert await asyncio.wait_for(waiting, timeout=10)
+    assert time.monotonic() - started < 3.0
+    assert await store.dequeue_rollout() is not None
+
+
+async def test_a_drain_waiter_returns_when_the_last_attempt_ends(store: SqlLightningStore) -> None:
+    assert await store.wait_for_drain(timeout=0)  # nothing in flight
+    await store.enqueue_many_rollouts([EnqueueRolloutRequest(input=i) for i in range(2)])
+    claimed = await store.dequeue_many_rollouts(limit=2)
+    await store.pause_run()
+    draining = asyncio.ensure_future(store.wait_for_drain(timeout=20))
+    await store.update_attempt(claimed[0].rollout_id, "latest", status="succeeded")
+    await asyncio.sleep(0.3)
+    assert not draining.done()
+    await store.update_attempt(claimed[1].rollout_id, "latest", status="failed")
+    assert await asyncio.wait_for(draining, timeout=10)
+    with pytest.raises(TypeError):
+        await store.wait_for_drain(timeout="1")  # type: ignore[arg-type]

@@ -10,7 +10,8 @@ columns, ``attempt_count`` (the attempt's ``sequence_id``) and the slot's ``atte
 
 The queue order is ``priority DESC, queue_seq``.  The candidates are the head of the claimable
 index and the due head of the delayed one (``queue_heads``; docs/queue.md): a claim never reads a
-rollout still in back-off.
+rollout still in back-off.  A paused run's claims read nothing (``paused``, checked in the same
+statement, so a pause stops every host's next claim).
 """
 
 from __future__ import annotations
@@ -88,12 +89,18 @@ def queue_heads(run_id: Any, limit: Any, now: Any, *, lock: bool) -> tuple[Any, 
     """The claim's two reads, ``limit`` rows each: the claimable index's head in queue order, and the
     delayed index's rows due at ``now`` (earliest first); ``lock``: ``FOR UPDATE SKIP LOCKED``."""
     columns = (R.c.run_id, R.c.rollout_id, R.c.priority, R.c.queue_seq)
-    ready = select(*columns).where(R.c.run_id == run_id, s.CLAIMABLE).order_by(R.c.priority.desc(), R.c.queue_seq)
-    due = select(*columns).where(R.c.run_id == run_id, s.DELAYED, R.c.not_before <= now).order_by(R.c.not_before)
+    live = ~paused(run_id)
+    ready = select(*columns).where(R.c.run_id == run_id, s.CLAIMABLE, live).order_by(R.c.priority.desc(), R.c.queue_seq)
+    due = select(*columns).where(R.c.run_id == run_id, s.DELAYED, R.c.not_before <= now, live).order_by(R.c.not_before)
     ready, due = ready.limit(limit), due.limit(limit)
     if lock:
         ready, due = ready.with_for_update(skip_locked=True), due.with_for_update(skip_locked=True)
     return ready, due
+
+
+def paused(run_id: Any) -> Any:
+    """Whether the run is paused (``pause_run``): a claim of a paused run reads no rollout."""
+    return select(s.runs.c.run_id).where(s.runs.c.run_id == run_id, s.runs.c.paused == 1).exists()
 
 
 def queue_order(ready: Any, due: Any, limit: Any) -> Any:

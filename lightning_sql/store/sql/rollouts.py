@@ -572,7 +572,9 @@ def queue_depth(ctx: UnitContext, run_id: int) -> int:
 
 def queue_state(ctx: UnitContext, run_id: int, now: float) -> tuple[bool, float | None]:
     """(whether a claim at ``now`` finds work, the earliest ``not_before`` in back-off): the heads of
-    the claimable and the delayed index (docs/queue.md)."""
+    the claimable and the delayed index (docs/queue.md); a paused run has none."""
+    if ctx.execute(select(s.runs.c.paused).where(s.runs.c.run_id == run_id)).scalar():
+        return False, None
     if ctx.execute(select(R.c.queue_seq).where(R.c.run_id == run_id, s.CLAIMABLE).limit(1)).first() is not None:
         return True, None
     due = ctx.execute(select(func.min(R.c.not_before)).where(R.c.run_id == run_id, s.DELAYED)).scalar()

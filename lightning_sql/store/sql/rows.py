@@ -212,6 +212,7 @@ def run_from_row(row: Row[Any] | Any) -> Run:
         created_at=m["created_at"],
         finished_at=m["finished_at"],
         metadata=m["metadata"],
+        paused=bool(m["paused"]),
     )
 
 

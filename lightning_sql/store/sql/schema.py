@@ -97,6 +97,8 @@ runs = Table(
     Column("metadata", JsonValue),
     # SQLite's per-run position counter (see position_seq); unused on PostgreSQL.
     Column("seq", BigInteger, nullable=False, server_default=text("0")),
+    # 1 while the run is paused: its claims take nothing (revision 0005, docs/queue.md).
+    Column("paused", Integer, nullable=False, server_default=text("0")),
     UniqueConstraint("name"),
 )
 

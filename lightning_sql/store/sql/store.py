@@ -20,7 +20,7 @@ from typing import Any, Literal, TypeVar
 from opentelemetry.sdk.trace import ReadableSpan
 
 from lightning_sql.store.base import LightningStore
-from lightning_sql.store.sql import attempts, cancel, validation
+from lightning_sql.store.sql import attempts, validation
 from lightning_sql.store.sql import dialect as d
 from lightning_sql.store.sql import filters as f
 from lightning_sql.store.sql import resources as res_units
@@ -31,7 +31,7 @@ from lightning_sql.store.sql import workers as worker_units
 from lightning_sql.store.sql.attempts import UpdateAttempt
 from lightning_sql.store.sql.claims import Claim
 from lightning_sql.store.sql.executor import UnitContext
-from lightning_sql.store.sql.instance import StoreInstance
+from lightning_sql.store.sql.queue_control import QueueControl
 from lightning_sql.store.sql.rollouts import ReadRollout
 from lightning_sql.store.sql.rows import (
     attempt_from_row,
@@ -75,7 +75,7 @@ WAIT_FALLBACK_POLL_S = 1.0
 # Shortest pause between a wait's reads when a burst of wake-ups arrives.
 WAIT_MIN_INTERVAL_S = 0.005
 
-class SqlLightningStore(StoreInstance, LightningStore):
+class SqlLightningStore(QueueControl, LightningStore):
     """A ``LightningStore`` persisted in SQLite or PostgreSQL, bound to one named run."""
 
     # --- rollouts -------------------------------------------------------------------------------
@@ -160,18 +160,6 @@ class SqlLightningStore(StoreInstance, LightningStore):
         return await self._call_op(  # type: ignore[no-any-return]
             method, lambda run_id, now: Claim(run_id, attempt_ids, worker_id, now), write=True, sweeps=True
         )
-
-    async def cancel_rollout(self, rollout_id: str) -> Rollout:
-        """Cancel one unfinished rollout (docs/queue.md); a finished one is returned unchanged."""
-        self._check_writable("cancel_rollout")
-        if not is_storable_text(rollout_id):
-            raise ValueError(f"Rollout {rollout_id} not found")
-        return await self._call("cancel_rollout", lambda ctx, r, now: cancel.cancelled_rollout(ctx, r, now, rollout_id), write=True)
-
-    async def cancel_run(self) -> int:
-        """Cancel every unfinished rollout of the run (docs/queue.md); returns how many."""
-        self._check_writable("cancel_run")
-        return len(await self._call("cancel_run", lambda ctx, r, now: cancel.cancel(ctx, r, now, None), write=True))
 
     async def start_attempt(self, rollout_id: str, worker_id: str | None = None) -> AttemptedRollout:
         self._check_writable("start_attempt")
