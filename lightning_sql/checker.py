@@ -20,7 +20,9 @@ Two families of invariants (docs/operations.md lists them with the tests that re
   ``update_rollout(status=...)``, which the contract allows to set any status: a queuing rollout has
   no attempt; a requeuing one has a latest attempt that failed/timed out/became unresponsive; a
   preparing/running rollout has a latest attempt with the same status; a succeeded rollout's latest
-  attempt succeeded.  Pass ``lifecycle=False`` to check the structural family only.
+  attempt succeeded; a cancelled rollout has no attempt in flight (``cancel_rollout``/``cancel_run``
+  end it).  Structural too: a rollout in back-off (queued with ``not_before``) is requeuing.  Pass
+  ``lifecycle=False`` to check the structural family only.
 
 Each invariant is one SQL statement, so it is judged on one snapshot and a live run is never reported
 inconsistent because a writer committed halfway through a check.  On PostgreSQL the unit also reads
@@ -310,6 +312,24 @@ def _succeeded_follows_attempt(run_id: int) -> Select[Any]:
     )
 
 
+def _delayed_is_requeuing(run_id: int) -> Select[Any]:
+    """A rollout in back-off (queued with ``not_before``) got there by a requeue (docs/queue.md)."""
+    return (
+        select(R.c.rollout_id, R.c.status, R.c.not_before)
+        .where(R.c.run_id == run_id, R.c.queue_seq.isnot(None), R.c.not_before.isnot(None), R.c.status != "requeuing")
+        .order_by(R.c.rollout_id)
+    )
+
+
+def _cancelled_has_nothing_in_flight(run_id: int) -> Select[Any]:
+    return (
+        select(R.c.rollout_id, A.c.attempt_id, A.c.status.label("attempt_status"))
+        .select_from(_latest_attempt_join(run_id))
+        .where(R.c.run_id == run_id, R.c.status == "cancelled", A.c.status.in_(_IN_FLIGHT))
+        .order_by(R.c.rollout_id)
+    )
+
+
 INVARIANTS: tuple[Invariant, ...] = (
     Invariant(
         "rollout status is a valid literal",
@@ -436,6 +456,18 @@ INVARIANTS: tuple[Invariant, ...] = (
         "lifecycle",
         _in_flight_follows_attempt,
         lambda r: f"rollout {r.rollout_id}: {r.status!r} but latest attempt {r.attempt_id} is {r.attempt_status!r}",
+    ),
+    Invariant(
+        "a rollout in back-off (not_before set, queued) is requeuing",
+        "structural",
+        _delayed_is_requeuing,
+        lambda r: f"rollout {r.rollout_id}: {r.status!r} with not_before={r.not_before}",
+    ),
+    Invariant(
+        "a cancelled rollout has no attempt in flight",
+        "lifecycle",
+        _cancelled_has_nothing_in_flight,
+        lambda r: f"rollout {r.rollout_id}: cancelled but latest attempt {r.attempt_id} is {r.attempt_status!r}",
     ),
     Invariant(
         "a succeeded rollout's latest attempt succeeded",

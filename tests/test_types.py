@@ -716,7 +716,8 @@ def test_encode_json_models_only_when_allowed() -> None:
     assert encode_json(Payload(name="x"), "config", allow_models=True) == '{"name":"x","score":1.0}'
     assert encode_json([Payload(name="y")], "events", allow_models=True) == '[{"name":"y","score":1.0}]'
     assert encode_json(RolloutConfig(), "config", allow_models=True) == (
-        '{"timeout_seconds":null,"unresponsive_seconds":null,"max_attempts":1,"retry_condition":[]}'
+        '{"timeout_seconds":null,"unresponsive_seconds":null,"max_attempts":1,"retry_condition":[],'
+        '"retry_backoff_seconds":null,"retry_backoff_factor":2.0,"retry_backoff_max_seconds":null}'
     )
     with pytest.raises(ValueError, match=r"^config\['score'\]: NaN is not allowed"):
         encode_json(Payload(name="x", score=math.nan), "config", allow_models=True)

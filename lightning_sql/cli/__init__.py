@@ -31,6 +31,7 @@ from lightning_sql.cli.db import db
 from lightning_sql.cli.export import export_command
 from lightning_sql.cli.maintenance import check_command, gc_command, sweep_command
 from lightning_sql.cli.options import EXIT_FAILED, Failed
+from lightning_sql.cli.queue import cancel_command, pause_command, resume_command
 from lightning_sql.cli.rollouts import rollouts_command, show_command, spans_command
 from lightning_sql.cli.runs import runs_command, status_command
 from lightning_sql.cli.worker import worker_command
@@ -124,6 +125,9 @@ for _command in (
     check_command,
     gc_command,
     worker_command,
+    cancel_command,
+    pause_command,
+    resume_command,
 ):
     cli.add_command(_command)
 

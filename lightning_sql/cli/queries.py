@@ -93,8 +93,13 @@ def rollouts_of_run(
 
 
 def rollout_summary(run_id: int, rollout_id: str) -> Select[Any]:
-    view = VIEW_TABLES["rollout_summary_v1"]
-    return select(view).where(view.c.run_id == run_id, view.c.rollout_id == rollout_id)
+    """The rollout's ``rollout_summary_v1`` row with its queue fields (``priority``, ``not_before``)."""
+    view, r = VIEW_TABLES["rollout_summary_v1"], s.rollouts
+    return (
+        select(view, r.c.priority, r.c.not_before)
+        .join(r, (r.c.run_id == view.c.run_id) & (r.c.rollout_id == view.c.rollout_id))
+        .where(view.c.run_id == run_id, view.c.rollout_id == rollout_id)
+    )
 
 
 def attempts_of_rollout(run_id: int, rollout_id: str) -> Select[Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from datetime import UTC, datetime
 from typing import Any
 
 import click
@@ -84,12 +85,19 @@ def _attempt_error(metadata: Any) -> dict[str, Any] | None:
 
 
 def _rollout_line(rollout_id: str, run: str, r: dict[str, Any]) -> Text:
+    not_before = r.get("not_before")
     return Text.assemble(
         (printable(rollout_id), "bold"),
         f" run {printable(run)}: {fmt(r['status'])} mode={fmt(r['mode'])} resources={fmt(r['resources_id'])} "
         f"v{fmt(r['resources_version'])} attempts={fmt(r['attempts'])} duration={fmt(r['duration_seconds'])}s "
-        f"final_reward={fmt(r['final_reward'])}",
+        f"final_reward={fmt(r['final_reward'])} priority={fmt(r.get('priority'))}"
+        + ("" if not_before is None else f" not_before={_utc(not_before)}"),
     )
+
+
+def _utc(epoch: float) -> str:
+    """An epoch time as ISO 8601 UTC (a back-off's end)."""
+    return datetime.fromtimestamp(epoch, tz=UTC).isoformat(timespec="milliseconds")
 
 
 def _attempt_line(attempt: dict[str, Any]) -> Text:

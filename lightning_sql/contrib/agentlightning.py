@@ -52,7 +52,7 @@ from lightning_sql.store.sql.store import SqlLightningStore  # noqa: E402
 __all__ = ["AgentLightningSqlStore", "to_agl", "from_agl"]
 
 # Fields of lightning_sql models that agentlightning's models lack: dropped on the way out (§1.3).
-_LSQL_ONLY_ROLLOUT_FIELDS = frozenset({"resources_version", "idempotency_key"})
+_LSQL_ONLY_ROLLOUT_FIELDS = frozenset({"resources_version", "idempotency_key", "priority", "not_before"})
 
 # Our model class -> agentlightning's class of the same name (same field names).
 _TO_AGL: dict[type[BaseModel], type[BaseModel]] = {

@@ -188,7 +188,8 @@ class Baseline(FastAlgorithm):
     (or a second algorithm process) never enqueues it twice: samples already finished in the run
     are skipped, queued or in-flight ones are awaited and harvested.  At most ``max_queue_length``
     rollouts wait in the queue; finished rollouts are harvested as they finish (logged per
-    ``span_verbosity`` and fed to the adapter).
+    ``span_verbosity`` and fed to the adapter).  ``val_priority`` > 0 puts validation ahead of
+    training: val samples are enqueued first, with that priority (docs/queue.md).
     """
 
     def __init__(
@@ -199,8 +200,11 @@ class Baseline(FastAlgorithm):
         polling_interval: float = 5.0,
         max_queue_length: int = 4,
         span_verbosity: Literal["keys", "key_values", "none"] = "keys",
+        val_priority: int = 0,
     ) -> None:
         super().__init__()
+        if isinstance(val_priority, bool) or not isinstance(val_priority, int):
+            raise TypeError(f"val_priority must be an int, got {val_priority!r}")
         if not 0 < train_split < 1:
             raise ValueError("train_split must be between 0 and 1.")
         if span_verbosity not in ("keys", "key_values", "none"):
@@ -214,6 +218,7 @@ class Baseline(FastAlgorithm):
         self.polling_interval = float(polling_interval)
         self.max_queue_length = max_queue_length
         self.span_verbosity = span_verbosity
+        self.val_priority = val_priority
         self.harvested: list[Rollout] = []
         """Rollouts this instance harvested (finished while it ran), in finish order."""
         self.skipped = 0
@@ -232,8 +237,9 @@ class Baseline(FastAlgorithm):
         if initial:
             await publish_resources(store, "default", initial)
             resources_id = "default"
-        samples: list[tuple[RolloutMode, Any]] = [("train", s) for s in train_dataset or []]
-        samples += [("val", s) for s in val_dataset or []]
+        train: list[tuple[RolloutMode, Any]] = [("train", s) for s in train_dataset or []]
+        val: list[tuple[RolloutMode, Any]] = [("val", s) for s in val_dataset or []]
+        samples = val + train if self.val_priority > 0 else train + val
         if not samples:
             logger.error("Baseline has nothing to do: the train and val datasets are empty")
             return
@@ -300,8 +306,10 @@ class Baseline(FastAlgorithm):
     async def _enqueue(
         self, store: LightningStore, sample: Any, mode: RolloutMode, resources_id: str | None, key: str
     ) -> Rollout:
+        # A priority only when asked for: stores without one (agentlightning's) take the call as before.
+        extra: dict[str, Any] = {"priority": self.val_priority} if mode == "val" and self.val_priority else {}
         return await store.enqueue_rollout(  # type: ignore[call-arg]
-            sample, mode=mode, resources_id=resources_id, metadata={"baseline_sample": key}, idempotency_key=key
+            sample, mode=mode, resources_id=resources_id, metadata={"baseline_sample": key}, idempotency_key=key, **extra
         )
 
     async def _queue_depth(self, store: LightningStore) -> int:

@@ -115,6 +115,7 @@ class LightningStore(ABC):
         metadata: dict[str, Any] | None = None,
         *,
         idempotency_key: str | None = None,
+        priority: int = 0,
     ) -> Rollout: ...
 
     @abstractmethod
@@ -175,6 +176,8 @@ class LightningStore(ABC):
         status: RolloutStatus | Unset = UNSET,
         config: RolloutConfig | Unset = UNSET,
         metadata: dict[str, Any] | None | Unset = UNSET,
+        *,
+        priority: int | Unset = UNSET,
     ) -> Rollout: ...
 
     @abstractmethod

@@ -113,6 +113,12 @@ class RolloutConfig(BaseModel):
         default_factory=cast(Callable[[], list[AttemptStatus]], list)
     )
     """The attempt statuses that allow a retry."""
+    retry_backoff_seconds: float | None = Field(default=None, ge=0, le=1e9, allow_inf_nan=False)
+    """(lightning_sql) The delay before the first retry, in seconds; None or 0: retry at once (docs/queue.md)."""
+    retry_backoff_factor: float = Field(default=2.0, ge=1, le=100, allow_inf_nan=False)
+    """(lightning_sql) Each further retry waits this many times longer than the one before."""
+    retry_backoff_max_seconds: float | None = Field(default=None, ge=0, le=1e9, allow_inf_nan=False)
+    """(lightning_sql) The longest delay, in seconds; None: no cap."""
 
 
 class Rollout(BaseModel):
@@ -140,6 +146,10 @@ class Rollout(BaseModel):
     """(lightning_sql) Version of `resources_id` resolved when the rollout was created; set by the store."""
     idempotency_key: str | None = None
     """(lightning_sql) Caller key that made the enqueue idempotent; set by `enqueue_*`."""
+    priority: int = Field(default=0, ge=-(2**31), lt=2**31, strict=True)
+    """(lightning_sql) Higher is claimed first, FIFO within one priority (docs/queue.md)."""
+    not_before: float | None = None
+    """(lightning_sql) Set by a requeue with back-off: the rollout is not claimed before this time."""
 
 
 class Attempt(BaseModel):
@@ -193,6 +203,8 @@ class EnqueueRolloutRequest(BaseModel):
     """Additional metadata attached to the rollout."""
     idempotency_key: str | None = None
     """(lightning_sql) Enqueueing the same key twice in a run returns the existing rollout."""
+    priority: int = Field(default=0, ge=-(2**31), lt=2**31, strict=True)
+    """(lightning_sql) Higher is claimed first, FIFO within one priority (docs/queue.md)."""
 
 
 class Worker(BaseModel):
@@ -231,6 +243,8 @@ class Run(BaseModel):
     """Store-clock time the run was finished."""
     metadata: dict[str, Any] | None = None
     """The run's metadata (the constructor's `run_metadata`)."""
+    paused: bool = False
+    """(lightning_sql) Set by `pause_run`: the run's claims take nothing until `resume_run` (docs/queue.md)."""
 
 
 class Triplet(BaseModel):

@@ -155,3 +155,23 @@ def test_recent_throughput_of_a_young_run_uses_its_age(fresh: Populated) -> None
     assert old["throughput_per_min_recent"] == 0
     mid = ok(["status", "--now", str(created + 200.0), *args])
     assert mid["throughput_per_min_recent"] == pytest.approx(5 * 60.0 / 200.0)
+
+
+def test_show_gives_the_priority_and_the_back_off(fresh: Populated) -> None:
+    """A rollout in back-off: `show` names its priority and when it can be claimed again."""
+    config = RolloutConfig(max_attempts=2, retry_condition=["failed"], retry_backoff_seconds=30.0)
+
+    async def requeue(store: SqlLightningStore) -> str:
+        rollout = await store.enqueue_rollout({"q": 1}, config=config, priority=4)
+        await store.dequeue_rollout(worker_id="w")
+        await store.update_attempt(rollout.rollout_id, "latest", status="failed")
+        return rollout.rollout_id
+
+    rollout_id = asyncio.run(with_store(fresh, "delayed", requeue))
+    args = ["--run", "delayed", *fresh.cli_args()]
+    shown = ok(["show", rollout_id, *args])
+    assert shown["rollout"]["priority"] == 4
+    assert shown["rollout"]["not_before"] == fresh.clock() + 30.0
+    human = invoke(["show", rollout_id, *args])
+    assert human.exit_code == 0, human.output
+    assert "priority=4" in human.stdout and "not_before=2001-09-09T01:47:10.000+00:00" in human.stdout

@@ -129,6 +129,8 @@ def test_rollout_page_shows_attempts_spans_and_reward(served: Served) -> None:
     assert page.count('class="mark reward"') == 1
     assert "accuracy = 0" in page
     assert len(data_values(page, "data-attempt-id")) == 1
+    assert '<span class="k">Priority</span><span class="v">0</span>' in page
+    assert 'id="not-before"' not in page  # never in back-off
 
 
 def test_failed_rollout_page_shows_the_error(served: Served) -> None:

@@ -161,6 +161,14 @@ CORRUPTIONS: dict[str, tuple[Callable[[dict[str, str]], list[str]], str]] = {
         lambda ids: [f"UPDATE rollouts SET status = 'succeeded', end_time = 1 WHERE run_id = :run AND rollout_id = '{ids['running']}'"],
         "a succeeded rollout's latest attempt succeeded",
     ),
+    "queuing-rollout-in-back-off": (
+        lambda ids: [f"UPDATE rollouts SET not_before = 5 WHERE run_id = :run AND rollout_id = '{ids['queued']}'"],
+        "a rollout in back-off (not_before set, queued) is requeuing",
+    ),
+    "cancelled-rollout-running-attempt": (
+        lambda ids: [f"UPDATE rollouts SET status = 'cancelled', end_time = 1 WHERE run_id = :run AND rollout_id = '{ids['running']}'"],
+        "a cancelled rollout has no attempt in flight",
+    ),
 }
 
 

@@ -15,7 +15,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from sqlalchemy import Float, Integer, Text, and_, case, literal, or_, select, update
+from sqlalchemy import Float, Integer, Text, and_, case, func, literal, null, or_, select, update
 
 from lightning_sql.store.sql import dialect as d
 from lightning_sql.store.sql import filters as f
@@ -117,7 +117,23 @@ UPDATE_KEYS: list[d.KeyColumn] = [
     ("now", Float(precision=53)),
 ]
 # The rollout's columns a decision reads.
-DECISION_ROLLOUT_COLUMNS = ("rollout_id", "status", "attempt_count", "queue_seq", "end_time", "max_attempts", "retry_condition")
+DECISION_ROLLOUT_COLUMNS = (
+    "rollout_id", "status", "attempt_count", "queue_seq", "end_time", "max_attempts", "retry_condition",
+    "retry_backoff_seconds", "retry_backoff_factor", "retry_backoff_max_seconds", "not_before",
+)
+# The back-off's exponent stops growing here (factor <= 100: 100**64 * 1e9 s is far from overflow).
+BACKOFF_MAX_EXPONENT = 64
+
+
+def backoff_until(now: Any, failed_attempt: Any, rollout: Any) -> Any:
+    """When a rollout requeued after its ``failed_attempt``-th attempt becomes claimable (docs/queue.md):
+    ``now + min(max, first * factor ** (n - 1))``, or NULL (at once) without a first delay.  One SQL
+    expression on both dialects, over the rollout's columns, so it is decided inside the unit."""
+    first, cap = rollout.c.retry_backoff_seconds, rollout.c.retry_backoff_max_seconds
+    exponent = case((failed_attempt - 1 > BACKOFF_MAX_EXPONENT, BACKOFF_MAX_EXPONENT), else_=failed_attempt - 1)
+    delay = first * func.power(rollout.c.retry_backoff_factor, exponent)
+    capped = case((and_(cap.isnot(None), cap < delay), cap), else_=delay)
+    return case((first > 0, now + capped), else_=null())
 
 
 def attempt_match(keys: Any, rollout: Any, attempt: Any) -> Any:
@@ -135,7 +151,8 @@ def decided(dialect: str, keys: Any, rollout: Any, attempt: Any, run_id: Any, *,
 
     * ``n``; ``found_rollout`` (NULL: no such rollout), ``attempt_count``; the attempt's fields as
       they are after the update (NULL ``attempt_id``: no such attempt), ``changed`` (1: write them);
-    * ``rollout_status``, ``rollout_end_time``, ``rollout_changes`` (1: write those two),
+    * ``rollout_status``, ``rollout_end_time``, ``rollout_not_before`` (a requeue's back-off),
+      ``rollout_changes`` (1: write those three),
       ``new_position`` (1: the rollout enters the queue), ``leaves_queue``, ``finished``;
     * ``worker_sync`` (1: write the worker row) and ``worker_status``.
     """
@@ -162,6 +179,8 @@ def decided(dialect: str, keys: Any, rollout: Any, attempt: Any, run_id: Any, *,
     )
     rollout_status = case((propagates, from_attempt), else_=rollout.c.status)
     rollout_changes = and_(propagates, from_attempt != rollout.c.status)
+    requeued = and_(rollout_changes, from_attempt == "requeuing")
+    not_before = case((requeued, backoff_until(k.c.now, attempt.c.sequence_id, rollout)), else_=rollout.c.not_before)
     queued_before = f.one_of(rollout.c.status, QUEUED_STATUSES)
     queued_after = f.one_of(from_attempt, QUEUED_STATUSES)
     finished = and_(rollout_changes, f.one_of(from_attempt, FINISHED_STATUSES))
@@ -201,6 +220,7 @@ def decided(dialect: str, keys: Any, rollout: Any, attempt: Any, run_id: Any, *,
             flag(changed).label("changed"),
             rollout_status.label("rollout_status"),
             case((finished, k.c.now), else_=rollout.c.end_time).label("rollout_end_time"),
+            not_before.label("rollout_not_before"),
             flag(rollout_changes).label("rollout_changes"),
             flag(and_(rollout_changes, queued_after, or_(~queued_before, rollout.c.queue_seq.is_(None)))).label(
                 "new_position"

@@ -7,6 +7,11 @@ run one after the other.  Each dialect module runs the batch (``claim``): Postgr
 statement (``FOR UPDATE SKIP LOCKED`` and data-modifying CTEs), SQLite as a pick, a mark and two
 inserts inside the writer's transaction.  Both return one row per claimed slot: the rollout's
 columns, ``attempt_count`` (the attempt's ``sequence_id``) and the slot's ``attempt_id``.
+
+The queue order is ``priority DESC, queue_seq``.  The candidates are the head of the claimable
+index and the due head of the delayed one (``queue_heads``; docs/queue.md): a claim never reads a
+rollout still in back-off.  A paused run's claims read nothing (``paused``, checked in the same
+statement, so a pause stops every host's next claim).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from sqlalchemy import Text, and_, select
+from sqlalchemy import Text, and_, select, union_all
 
 from lightning_sql.store.sql import dialect as d
 from lightning_sql.store.sql import schema as s
@@ -78,6 +83,30 @@ def slots(batch: Batch) -> list[tuple[int, Claim, str]]:
 
 
 ATTEMPT_IDS = [("attempt_id", Text())]
+
+
+def queue_heads(run_id: Any, limit: Any, now: Any, *, lock: bool) -> tuple[Any, Any]:
+    """The claim's two reads, ``limit`` rows each: the claimable index's head in queue order, and the
+    delayed index's rows due at ``now`` (earliest first); ``lock``: ``FOR UPDATE SKIP LOCKED``."""
+    columns = (R.c.run_id, R.c.rollout_id, R.c.priority, R.c.queue_seq)
+    live = ~paused(run_id)
+    ready = select(*columns).where(R.c.run_id == run_id, s.CLAIMABLE, live).order_by(R.c.priority.desc(), R.c.queue_seq)
+    due = select(*columns).where(R.c.run_id == run_id, s.DELAYED, R.c.not_before <= now, live).order_by(R.c.not_before)
+    ready, due = ready.limit(limit), due.limit(limit)
+    if lock:
+        ready, due = ready.with_for_update(skip_locked=True), due.with_for_update(skip_locked=True)
+    return ready, due
+
+
+def paused(run_id: Any) -> Any:
+    """Whether the run is paused (``pause_run``): a claim of a paused run reads no rollout."""
+    return select(s.runs.c.run_id).where(s.runs.c.run_id == run_id, s.runs.c.paused == 1).exists()
+
+
+def queue_order(ready: Any, due: Any, limit: Any) -> Any:
+    """The first ``limit`` of both reads (selectables with ``queue_heads``' columns) in queue order."""
+    both = union_all(select(ready), select(due)).subquery("candidates")
+    return select(both).order_by(both.c.priority.desc(), both.c.queue_seq).limit(limit)
 
 
 def replayed_statement(dialect: str) -> Any:

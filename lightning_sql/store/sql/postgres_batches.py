@@ -92,23 +92,22 @@ CALL_KEYS: list[d.KeyColumn] = [("call", Integer()), ("worker_id", Text()), ("no
 def _claim_statement() -> Any:
     slots = d.keys_source(PG, "s", SLOT_KEYS)
     calls = d.keys_source(PG, "c", CALL_KEYS)
-    picked = (
-        select(R.c.run_id, R.c.rollout_id, R.c.queue_seq)
-        .where(R.c.run_id == _RUN, R.c.queue_seq.isnot(None))
-        .order_by(R.c.queue_seq)
-        .limit(bindparam("s__count", type_=Integer))
-        .with_for_update(skip_locked=True)
-        .cte("picked")
-        .prefix_with("MATERIALIZED")  # the claimed rows' keys ("Keyed UPDATEs")
-    )
+    limit = bindparam("s__count", type_=Integer)
+    ready, due = cl.queue_heads(_RUN, limit, bindparam("now", type_=s.EpochSeconds), lock=True)
+    ready, due = ready.cte("ready").prefix_with("MATERIALIZED"), due.cte("due").prefix_with("MATERIALIZED")
+    # The claimed rows' keys ("Keyed UPDATEs"); a locked candidate not taken is free at the end.
+    picked = cl.queue_order(ready, due, limit).cte("picked").prefix_with("MATERIALIZED")
     claimed = (
         update(R)
         .where(R.c.run_id == picked.c.run_id, R.c.rollout_id == picked.c.rollout_id)
         .values(status="preparing", queue_seq=None, attempt_count=R.c.attempt_count + 1)
-        .returning(*ROLLOUT_COLUMNS, R.c.attempt_count, picked.c.queue_seq.label("picked_seq"))
+        .returning(
+            *ROLLOUT_COLUMNS, R.c.attempt_count, picked.c.priority.label("picked_priority"), picked.c.queue_seq.label("picked_seq")
+        )
         .cte("claimed")
     )
-    ranked = select(claimed, func.row_number().over(order_by=claimed.c.picked_seq).label("pos")).cte("ranked")
+    order = (claimed.c.picked_priority.desc(), claimed.c.picked_seq)
+    ranked = select(claimed, func.row_number().over(order_by=order).label("pos")).cte("ranked")
     assigned = (
         select(ranked, slots.c.attempt_id, slots.c.call, slots.c.worker_id, slots.c.now)
         .select_from(ranked.join(slots, slots.c.n == ranked.c.pos))
@@ -171,7 +170,8 @@ async def claim(db: Db, batch: Batch) -> list[Any]:
     worker_calls = [(n, call.worker_id, call.now) for n, call in calls if call.worker_id is not None]
     if not slot_rows and not worker_calls:
         return rows
-    params = {"run_id": run_id, **_keys("s", SLOT_KEYS, slot_rows), **_keys("c", CALL_KEYS, worker_calls)}
+    now = max(call.now for _n, call in calls)
+    params = {"run_id": run_id, "now": now, **_keys("s", SLOT_KEYS, slot_rows), **_keys("c", CALL_KEYS, worker_calls)}
     return rows + await db.rows("pg_claim", _claim_statement, params)
 
 
@@ -412,7 +412,7 @@ def _update_statement() -> Any:
     rollouts_written = (
         update(R)
         .where(R.c.run_id == _RUN, R.c.rollout_id == dec.c.rollout_id, dec.c.rollout_changes == 1, dec.c.attempt_id.isnot(None))
-        .values(status=dec.c.rollout_status, end_time=dec.c.rollout_end_time, queue_seq=queue_seq)
+        .values(status=dec.c.rollout_status, end_time=dec.c.rollout_end_time, not_before=dec.c.rollout_not_before, queue_seq=queue_seq)
         .returning(R.c.rollout_id, dec.c.finished, dec.c.enters_queue)
         .cte("rollouts_written")
     )

@@ -55,6 +55,7 @@ class NewRollout:
     config: RolloutConfig
     metadata: EncodedJson | None
     idempotency_key: str | None
+    priority: int = 0
     # The decoded values, to build the returned model without reading the row back.
     input_value: Any = None
     metadata_value: Any = None
@@ -66,6 +67,9 @@ def _config_values(config: RolloutConfig) -> dict[str, Any]:
         "unresponsive_seconds": config.unresponsive_seconds,
         "max_attempts": config.max_attempts,
         "retry_condition": EncodedJson(_retry_json(config.retry_condition)),
+        "retry_backoff_seconds": config.retry_backoff_seconds,
+        "retry_backoff_factor": config.retry_backoff_factor,
+        "retry_backoff_max_seconds": config.retry_backoff_max_seconds,
     }
 
 
@@ -93,6 +97,8 @@ def _rollout_row(
         "end_time": None,
         "queue_seq": pos if status == "queuing" else None,
         "create_seq": pos,
+        "priority": item.priority,
+        "not_before": None,
     }
 
 
@@ -110,6 +116,8 @@ def _created(item: NewRollout, row: dict[str, Any]) -> dict[str, Any]:
         "metadata": item.metadata_value,
         "resources_version": row["resources_version"],
         "idempotency_key": item.idempotency_key,
+        "priority": item.priority,
+        "not_before": None,
     }
 
 
@@ -356,7 +364,7 @@ def update_rollout(
     if row is None:
         raise ValueError(f"Item does not exist with primary key(s): rollout_id='{rollout_id}'")
     values: dict[str, Any] = {}
-    for key in ("input", "mode", "metadata"):
+    for key in ("input", "mode", "metadata", "priority"):
         if key in changes:
             values[key] = changes[key]
     if "resources_id" in changes:
@@ -372,6 +380,8 @@ def update_rollout(
             values["end_time"] = now
             ctx.announce(run_id, "finished")
         values.update(enter_or_leave_queue(ctx, run_id, row.status, new_status, row.queue_seq))
+        if new_status in QUEUED_STATUSES:  # a status set by hand is claimable at once (docs/queue.md)
+            values["not_before"] = None
     if values:
         ctx.execute(update(R).where(R.c.run_id == run_id, R.c.rollout_id == rollout_id).values(**values))
     new_row = fetch_rollouts(ctx, run_id, R.c.rollout_id == rollout_id)[0]
@@ -534,8 +544,12 @@ def finished_rollouts(
     return [finished[rid] for rid in rollout_ids if rid in finished], len(rows), len(finished)
 
 
-def has_queued(ctx: UnitContext, run_id: int) -> bool:
-    row = ctx.execute(
-        select(R.c.queue_seq).where(R.c.run_id == run_id, R.c.queue_seq.isnot(None)).limit(1)
-    ).first()
-    return row is not None
+def queue_state(ctx: UnitContext, run_id: int, now: float) -> tuple[bool, float | None]:
+    """(whether a claim at ``now`` finds work, the earliest ``not_before`` in back-off): the heads of
+    the claimable and the delayed index (docs/queue.md); a paused run has none."""
+    if ctx.execute(select(s.runs.c.paused).where(s.runs.c.run_id == run_id)).scalar():
+        return False, None
+    if ctx.execute(select(R.c.queue_seq).where(R.c.run_id == run_id, s.CLAIMABLE).limit(1)).first() is not None:
+        return True, None
+    due = ctx.execute(select(func.min(R.c.not_before)).where(R.c.run_id == run_id, s.DELAYED)).scalar()
+    return due is not None and due <= now, due

@@ -53,9 +53,22 @@ ROLLOUT_FIELDS = {
         "metadata",
         "resources_version",
         "idempotency_key",
+        "priority",
+        "not_before",
     )
 }
-CONFIG_FIELDS = {name: R.c[name] for name in ("timeout_seconds", "unresponsive_seconds", "max_attempts", "retry_condition")}
+CONFIG_FIELDS = {
+    name: R.c[name]
+    for name in (
+        "timeout_seconds",
+        "unresponsive_seconds",
+        "max_attempts",
+        "retry_condition",
+        "retry_backoff_seconds",
+        "retry_backoff_factor",
+        "retry_backoff_max_seconds",
+    )
+}
 ATTEMPT_FIELDS = {
     name: A.c[name]
     for name in (
@@ -199,6 +212,7 @@ def run_from_row(row: Row[Any] | Any) -> Run:
         created_at=m["created_at"],
         finished_at=m["finished_at"],
         metadata=m["metadata"],
+        paused=bool(m["paused"]),
     )
 
 

@@ -24,6 +24,7 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
+    and_,
     event,
     text,
 )
@@ -96,6 +97,8 @@ runs = Table(
     Column("metadata", JsonValue),
     # SQLite's per-run position counter (see position_seq); unused on PostgreSQL.
     Column("seq", BigInteger, nullable=False, server_default=text("0")),
+    # 1 while the run is paused: its claims take nothing (revision 0005, docs/queue.md).
+    Column("paused", Integer, nullable=False, server_default=text("0")),
     UniqueConstraint("name"),
 )
 
@@ -126,17 +129,31 @@ rollouts = Table(
     Column("create_seq", BigInteger, nullable=False),
     # Number of attempts so far; the next attempt's sequence_id is attempt_count + 1.
     Column("attempt_count", Integer, nullable=False, server_default=text("0")),
+    # Back-off of requeues (revision 0005, docs/queue.md): first delay (NULL/0: none), factor, cap.
+    Column("retry_backoff_seconds", EpochSeconds),
+    Column("retry_backoff_factor", EpochSeconds, nullable=False, server_default=text("2")),
+    Column("retry_backoff_max_seconds", EpochSeconds),
+    # Higher is claimed first, FIFO (queue_seq) within one priority (revision 0005).
+    Column("priority", Integer, nullable=False, server_default=text("0")),
+    # A requeue's back-off: not claimable before this time (NULL: no delay).  A queued row with it
+    # set is in ix_rollouts_delayed, not in the claimable ix_rollouts_queue (docs/queue.md).
+    Column("not_before", EpochSeconds),
     PrimaryKeyConstraint("run_id", "rollout_id"),
     UniqueConstraint("run_id", "idempotency_key"),
     ForeignKeyConstraint(["run_id"], ["runs.run_id"]),
 )
+CLAIMABLE = and_(rollouts.c.queue_seq.isnot(None), rollouts.c.not_before.is_(None))
+DELAYED = and_(rollouts.c.queue_seq.isnot(None), rollouts.c.not_before.isnot(None))
+# The claimable queue in claim order, and the delayed rollouts by due time (revision 0005).
 Index(
     "ix_rollouts_queue",
     rollouts.c.run_id,
+    rollouts.c.priority.desc(),
     rollouts.c.queue_seq,
-    postgresql_where=rollouts.c.queue_seq.isnot(None),
-    sqlite_where=rollouts.c.queue_seq.isnot(None),
+    postgresql_where=CLAIMABLE,
+    sqlite_where=CLAIMABLE,
 )
+Index("ix_rollouts_delayed", rollouts.c.run_id, rollouts.c.not_before, postgresql_where=DELAYED, sqlite_where=DELAYED)
 Index("ix_rollouts_run_id_create_seq", rollouts.c.run_id, rollouts.c.create_seq)
 Index("ix_rollouts_run_id_status", rollouts.c.run_id, rollouts.c.status)
 

@@ -96,9 +96,9 @@ _RUN = bindparam("run_id", type_=Integer)
 
 
 def _pick() -> Any:
-    return select(R.c.rollout_id).where(R.c.run_id == _RUN, R.c.queue_seq.isnot(None)).order_by(R.c.queue_seq).limit(
-        bindparam("limit", type_=Integer)
-    )
+    limit = bindparam("limit", type_=Integer)
+    ready, due = cl.queue_heads(_RUN, limit, bindparam("now", type_=s.EpochSeconds), lock=False)
+    return cl.queue_order(ready.subquery("ready"), due.subquery("due"), limit)
 
 
 _IDS = [("rollout_id", Text())]
@@ -137,7 +137,9 @@ def claim(db: Db, batch: Batch) -> list[dict[str, Any]]:
         done = {row["attempt_id"] for row in rows}
         calls = [call for call in calls if not done.intersection(call.attempt_ids)]
     slots = [(call, aid) for call in calls for aid in call.attempt_ids]
-    picked = [row["rollout_id"] for row in db.rows("sqlite_claim_pick", _pick, {"run_id": run_id, "limit": len(slots)})]
+    now = max((call.now for call in calls), default=0.0)
+    pick = {"run_id": run_id, "limit": len(slots), "now": now}
+    picked = [row["rollout_id"] for row in db.rows("sqlite_claim_pick", _pick, pick)] if slots else []
     claimed_by: dict[int, list[dict[str, Any]]] = {}
     if picked:
         marked = db.rows("sqlite_claim_mark", _mark, {"run_id": run_id, **_keys("ids", _IDS, [(rid,) for rid in picked])})
@@ -344,6 +346,7 @@ def _write_rollout() -> Any:
         .values(
             status=bindparam("v_status"),
             end_time=bindparam("v_end_time"),
+            not_before=bindparam("v_not_before"),
             queue_seq=case((set_queue, bindparam("v_queue_seq")), else_=R.c.queue_seq),
         )
     )
@@ -381,6 +384,7 @@ def update_attempts(db: Db, batch: Batch) -> list[dict[str, Any]]:
                     **key,
                     "v_status": row["rollout_status"],
                     "v_end_time": row["rollout_end_time"],
+                    "v_not_before": row["rollout_not_before"],
                     "set_queue": int(moves),
                     "v_queue_seq": next(positions) if row["new_position"] else None,
                 }

@@ -14,6 +14,7 @@ import logging
 import time
 import warnings
 from collections.abc import Sequence
+from functools import partial
 from typing import Any, Literal, TypeVar
 
 from opentelemetry.sdk.trace import ReadableSpan
@@ -30,7 +31,7 @@ from lightning_sql.store.sql import workers as worker_units
 from lightning_sql.store.sql.attempts import UpdateAttempt
 from lightning_sql.store.sql.claims import Claim
 from lightning_sql.store.sql.executor import UnitContext
-from lightning_sql.store.sql.instance import StoreInstance
+from lightning_sql.store.sql.queue_control import QueueControl
 from lightning_sql.store.sql.rollouts import ReadRollout
 from lightning_sql.store.sql.rows import (
     attempt_from_row,
@@ -74,7 +75,7 @@ WAIT_FALLBACK_POLL_S = 1.0
 # Shortest pause between a wait's reads when a burst of wake-ups arrives.
 WAIT_MIN_INTERVAL_S = 0.005
 
-class SqlLightningStore(StoreInstance, LightningStore):
+class SqlLightningStore(QueueControl, LightningStore):
     """A ``LightningStore`` persisted in SQLite or PostgreSQL, bound to one named run."""
 
     # --- rollouts -------------------------------------------------------------------------------
@@ -109,9 +110,12 @@ class SqlLightningStore(StoreInstance, LightningStore):
         metadata: dict[str, Any] | None = None,
         *,
         idempotency_key: str | None = None,
+        priority: int = 0,
     ) -> Rollout:
         self._check_writable("enqueue_rollout")
-        item = validation.new_rollout(self.default_rollout_config, input, mode, resources_id, config, metadata, idempotency_key)
+        item = validation.new_rollout(
+            self.default_rollout_config, input, mode, resources_id, config, metadata, idempotency_key, priority=priority
+        )
         (result,) = await self._call(
             "enqueue_rollout", lambda ctx, run_id, now: ro.enqueue(ctx, run_id, now, [item]), write=True, sweeps=True
         )
@@ -125,7 +129,8 @@ class SqlLightningStore(StoreInstance, LightningStore):
                 req = EnqueueRolloutRequest.model_validate(req)
             items.append(
                 validation.new_rollout(self.default_rollout_config,
-                    req.input, req.mode, req.resources_id, req.config, req.metadata, req.idempotency_key, f"requests[{i}]."
+                    req.input, req.mode, req.resources_id, req.config, req.metadata, req.idempotency_key, f"requests[{i}].",
+                    req.priority,
                 )
             )
         if not items:
@@ -179,9 +184,11 @@ class SqlLightningStore(StoreInstance, LightningStore):
         status: RolloutStatus | Unset = UNSET,
         config: RolloutConfig | Unset = UNSET,
         metadata: dict[str, Any] | None | Unset = UNSET,
+        *,
+        priority: int | Unset = UNSET,
     ) -> Rollout:
         self._check_writable("update_rollout")
-        changes = validation.rollout_changes(input, mode, resources_id, status, config, metadata)
+        changes = validation.rollout_changes(input, mode, resources_id, status, config, metadata, priority)
         if not is_storable_text(rollout_id):
             raise ValueError(f"Item does not exist with primary key(s): rollout_id='{rollout_id}'")
         return await self._call(
@@ -372,13 +379,17 @@ class SqlLightningStore(StoreInstance, LightningStore):
             while True:
                 self._check_not_closed_since("wait_for_queue", close_count)
                 entry[1].clear()
-                if await self._submit(worker, lambda ctx: ro.has_queued(ctx, run_id), write=False):
+                now = self.now()
+                ready, due = await self._submit(worker, partial(ro.queue_state, run_id=run_id, now=now), write=False)
+                if ready:
                     return True
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
+                # A rollout in back-off becomes due without a notification: wake at its time.
+                wait_s = min(WAIT_FALLBACK_POLL_S, remaining, WAIT_FALLBACK_POLL_S if due is None else max(due - now, 0.01))
                 try:
-                    await asyncio.wait_for(entry[1].wait(), timeout=min(WAIT_FALLBACK_POLL_S, remaining))
+                    await asyncio.wait_for(entry[1].wait(), timeout=wait_s)
                 except TimeoutError:
                     pass
         finally:

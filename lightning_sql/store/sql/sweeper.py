@@ -10,10 +10,11 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from sqlalchemy import and_, bindparam, case, literal, or_, select, update
+from sqlalchemy import Integer, and_, bindparam, case, literal, or_, select, update
 
 from lightning_sql.store.sql import dialect as d
 from lightning_sql.store.sql import schema as s
+from lightning_sql.store.sql.attempts import backoff_until
 from lightning_sql.store.sql.executor import UnitContext
 from lightning_sql.types import IN_FLIGHT_STATUSES, RolloutConfig, rollout_status_from_attempt
 
@@ -121,10 +122,11 @@ def expire_leases(ctx: UnitContext, run_id: int | None, now: float) -> int:
     for rid_run, run_hits in requeue.items():
         positions = d.allocate_positions(ctx, rid_run, len(run_hits))
         for hit, pos in zip(run_hits, positions, strict=True):
-            requeue_params.append({"b_run": hit.run_id, "b_rollout": hit.rollout_id, "b_pos": pos})
+            requeue_params.append({"b_run": hit.run_id, "b_rollout": hit.rollout_id, "b_pos": pos, "b_seq": hit.sequence_id})
         ctx.announce(rid_run, "queued")
     if requeue_params:
-        requeue_stmt = _UPDATE_IN_FLIGHT.values(status="requeuing", queue_seq=bindparam("b_pos"))
+        not_before = backoff_until(now_p, bindparam("b_seq", type_=Integer), R)
+        requeue_stmt = _UPDATE_IN_FLIGHT.values(status="requeuing", queue_seq=bindparam("b_pos"), not_before=not_before)
         ctx.execute(requeue_stmt, requeue_params)
     if fail:
         ctx.execute(_UPDATE_IN_FLIGHT.values(status="failed", end_time=now, queue_seq=None), fail)

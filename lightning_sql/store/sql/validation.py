@@ -11,6 +11,7 @@ from lightning_sql.store.sql import rollouts as ro
 from lightning_sql.store.sql.executor import EncodedJson
 from lightning_sql.store.sql.rows import encoded
 from lightning_sql.types import (
+    UNSET,
     Attempt,
     Rollout,
     RolloutConfig,
@@ -61,6 +62,7 @@ def new_rollout(
     metadata: Any,
     idempotency_key: Any,
     where: str = "",
+    priority: Any = 0,
 ) -> ro.NewRollout:
     if mode is not None:
         validate_literal(mode, MODES, "mode", "Rollout")
@@ -87,6 +89,7 @@ def new_rollout(
         config=config,
         metadata=encoded(metadata_value, f"{where}metadata"),
         idempotency_key=idempotency_key,
+        priority=check_priority(priority, f"{where}priority"),
         input_value=json_roundtrip_value(input),
         metadata_value=metadata_value,
     )
@@ -116,9 +119,22 @@ def attempt_changes(status: Any, worker_id: Any, last_heartbeat_time: Any, metad
     return changes
 
 
-def rollout_changes(input: Any, mode: Any, resources_id: Any, status: Any, config: Any, metadata: Any) -> dict[str, Any]:
+def check_priority(priority: Any, field: str = "priority") -> int:
+    """A rollout's priority: an int of 32 bits (a bool is refused)."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise TypeError(f"{field} must be an int, got {priority!r}")
+    if not -(2**31) <= priority < 2**31:
+        raise ValueError(f"{field} must fit 32 bits, got {priority!r}")
+    return priority
+
+
+def rollout_changes(
+    input: Any, mode: Any, resources_id: Any, status: Any, config: Any, metadata: Any, priority: Any = UNSET
+) -> dict[str, Any]:
     """The columns an ``update_rollout`` writes, checked (bad input raises before any I/O)."""
     changes: dict[str, Any] = {}
+    if not isinstance(priority, Unset):
+        changes["priority"] = check_priority(priority)
     if not isinstance(input, Unset):
         changes["input"] = encoded(input, "input")
     if not isinstance(mode, Unset):
