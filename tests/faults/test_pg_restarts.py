@@ -115,7 +115,7 @@ async def test_server_down_past_the_deadline_raises_then_recovers(
                 assert "s3cret" not in message and "s3cret" not in repr(info.value)
             assert "s3cret" not in caplog.text
             # The replays failed and were logged as an outage, with the masked URL.
-            outage = [r for r in caplog.records if "retrying until it answers" in r.getMessage()]
+            outage = [r for r in caplog.records if "retrying each call until it answers" in r.getMessage()]
             assert outage and f"127.0.0.1:{throwaway_pg.port}" in outage[0].getMessage(), caplog.text
         finally:
             throwaway_pg.start()
