@@ -31,9 +31,11 @@ from pydantic_core import from_json
 P0_PG_CONNECTIONS = 8
 
 
+# The head of the claimable queue in claim order, as the store's claim reads it through the partial
+# index ix_rollouts_queue (revision 0005: priority, then queue order; rollouts in back-off elsewhere).
 PG_PICK = (
-    "SELECT rollout_id FROM rollouts WHERE run_id = $1 AND queue_seq IS NOT NULL "
-    "ORDER BY queue_seq LIMIT 1 FOR UPDATE SKIP LOCKED"
+    "SELECT rollout_id FROM rollouts WHERE run_id = $1 AND queue_seq IS NOT NULL AND not_before IS NULL "
+    "ORDER BY priority DESC, queue_seq LIMIT 1 FOR UPDATE SKIP LOCKED"
 )
 PG_MARK = (
     "UPDATE rollouts SET status = 'preparing', queue_seq = NULL, attempt_count = attempt_count + 1 "
@@ -55,7 +57,8 @@ PG_WORKER = (
 )
 
 SQLITE_PICK = (
-    "SELECT rollout_id FROM rollouts WHERE run_id = ? AND queue_seq IS NOT NULL ORDER BY queue_seq LIMIT 1"
+    "SELECT rollout_id FROM rollouts WHERE run_id = ? AND queue_seq IS NOT NULL AND not_before IS NULL "
+    "ORDER BY priority DESC, queue_seq LIMIT 1"
 )
 SQLITE_MARK = (
     "UPDATE rollouts SET status = 'preparing', queue_seq = NULL, attempt_count = attempt_count + 1 "
