@@ -162,7 +162,10 @@ async def _chaos(store: SqlLightningStore, seed: int, ready: Any) -> None:
                 await store.start_attempt(rid, worker_id=worker_id)
                 held.remove((rid, aid))
             elif choice < 0.93:
-                await store.update_rollout(rid, status="cancelled")
+                # The lifecycle's cancel (it ends the attempt in flight in the same unit), so the
+                # checker's lifecycle family, "a cancelled rollout has no attempt in flight"
+                # included, holds after a kill anywhere in it.
+                await store.cancel_rollout(rid)
                 held.remove((rid, aid))
             else:
                 await store.update_rollout(rid, metadata={"touched": rng.random()})
