@@ -324,7 +324,6 @@ ATTEMPT_BY_ID = select(A).where(
 )
 
 
-
 def find_attempt(ctx: UnitContext, run_id: int, rollout_id: str, attempt_id: str) -> Attempt | None:
     row = ctx.execute(
         ATTEMPT_BY_ID, {"r_run_id": run_id, "r_rollout_id": rollout_id, "r_attempt_id": attempt_id}
