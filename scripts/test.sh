@@ -6,9 +6,10 @@
 #   bash scripts/test.sh            # everything
 #   bash scripts/test.sh -k claims  # extra arguments go to pytest
 #
-# pytest runs in LIGHTNING_SQL_TEST_WORKERS processes (pytest-xdist; default 2, one per core of the
-# CI machine: most tests wait on a database, a child process or a socket, so two workers take the
-# suite from ~11.5 to ~7.5 minutes on a 2-vCPU machine); 0 runs it in this process (-x, --pdb).
+# pytest runs in LIGHTNING_SQL_TEST_WORKERS processes (pytest-xdist; default 3 on the CI machine's 2
+# cores: most tests wait on a database, a child process or a socket, and the main suite took 10.2
+# minutes with three workers against 12.3 with two on a 2-vCPU machine; the whole CI run 14 minutes);
+# 0 runs it in this process (-x, --pdb).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -54,7 +55,7 @@ echo "== lint and types"
 
 run_pytest() {
   set +e
-  "$PYTHON" -m pytest -p no:cacheprovider -q -rs --durations=15 -n "${LIGHTNING_SQL_TEST_WORKERS:-2}" "$@"
+  "$PYTHON" -m pytest -p no:cacheprovider -q -rs --durations=15 -n "${LIGHTNING_SQL_TEST_WORKERS:-3}" "$@"
   local status=$?
   set -e
   if [ "$status" -eq 5 ]; then
