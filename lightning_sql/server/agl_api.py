@@ -24,7 +24,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from lightning_sql.server.config import RUN_HEADER
-from lightning_sql.server.errors import ApiError, JsonResponse
+from lightning_sql.server.errors import ApiError, JsonResponse, error_response
 
 if TYPE_CHECKING:
     from lightning_sql.server.metrics import ServerMetrics
@@ -61,6 +61,9 @@ _LONG_INTEGER = re.compile(rb"(?<![\w.])-?\d{19,}(?![\d.eE])")
 # Items one request may hand the store (rollouts to enqueue, ids to wait for, statuses to filter by):
 # each becomes a model in memory before the store sees it.
 MAX_ITEMS_PER_REQUEST = 10_000
+# Seconds a claimer of a paused run is told to wait (Retry-After of its 429): resume_run wakes the
+# store's own waiters at once; a client of the API polls.
+PAUSED_RETRY_AFTER_S = 1
 
 
 def parse_json(raw: bytes) -> Any:
@@ -233,6 +236,12 @@ class AglApi:
             return reply([])
         attempted = list(await store.dequeue_many_rollouts(limit=limit, worker_id=worker_id))
         self.metrics.claims_seen(self._run(request), attempted)
+        if not attempted and store.run is not None:
+            run = await store.get_run(store.run)
+            if run is not None and run.paused:
+                # As Agent-Lightning v1's gateway answers while it updates weights (docs/queue.md).
+                detail = f"run {run.name!r} is paused: claim again after resume_run"
+                return error_response(429, detail, headers={"Retry-After": str(PAUSED_RETRY_AFTER_S)})
         return reply(attempted)
 
     async def start_rollout(self, request: Request) -> Response:

@@ -373,3 +373,27 @@ async def test_agent_lightnings_tracer_exports_to_the_server(tmp_path: Path) -> 
     assert [s.sequence_id for s in spans] == [1, 2]
     assert spans[0].parent_id == spans[1].span_id and spans[1].attributes["step"] == 1
     assert server.metric(metrics, "lightning_sql_spans_ingested_total", source="otlp") == 2
+
+
+async def test_a_paused_run_answers_claims_with_429_and_retry_after(
+    server_factory: Callable[..., RunningServer], mp_backend: Any
+) -> None:
+    """docs/queue.md: while the run is paused a claim that finds nothing answers 429 with
+    Retry-After, as Agent-Lightning v1's gateway does during a weight update; after resume_run the
+    same claim gets the rollout."""
+    server = server_factory()
+    owner = mp_backend.open(run=RUN)
+    try:
+        with httpx.Client(base_url=server.url + "/v1/agl", timeout=30) as http:
+            assert http.post("/queues/rollouts/enqueue", json={"rollouts": [{"input": 1}]}).status_code == 201
+            await owner.pause_run()
+            paused = http.post("/queues/rollouts/dequeue", json={"worker_id": "w"})
+            assert paused.status_code == 429, paused.text
+            assert paused.headers["Retry-After"] == "1" and "paused" in paused.json()["detail"]
+            await owner.resume_run()
+            claimed = http.post("/queues/rollouts/dequeue", json={"worker_id": "w"})
+            assert claimed.status_code == 200 and len(claimed.json()) == 1
+            empty = http.post("/queues/rollouts/dequeue", json={"worker_id": "w"})
+            assert empty.status_code == 200 and empty.json() == []  # an empty queue is not a pause
+    finally:
+        await owner.close()
