@@ -89,23 +89,15 @@ def normalise_url(raw: str | URL) -> DatabaseTarget:
         query = dict(url.query)
         options: dict[str, Any] = {}
         if "pool_size" in query:
-            value = query.pop("pool_size")
-            try:
-                options["pool_size"] = int(value if isinstance(value, str) else value[-1])
-            except ValueError:
-                raise ValueError(f"pool_size in {mask_url(url)!r} must be an integer, got {value!r}") from None
+            options["pool_size"] = _number(query, "pool_size", int, "an integer", url)
             if options["pool_size"] < 1:
-                raise ValueError(f"pool_size in {mask_url(url)!r} must be >= 1, got {value!r}")
+                raise ValueError(f"pool_size in {mask_url(url)!r} must be >= 1, got {options['pool_size']!r}")
         for key in list(query):
             if key in _LIBPQ_TRANSLATIONS:
                 query[_LIBPQ_TRANSLATIONS[key]] = query.pop(key)
         connect_args: dict[str, Any] = {}
         if "connect_timeout" in query:
-            value = query.pop("connect_timeout")
-            try:
-                connect_args["timeout"] = float(value if isinstance(value, str) else value[-1])
-            except ValueError:
-                raise ValueError(f"connect_timeout in {mask_url(url)!r} must be seconds, got {value!r}") from None
+            connect_args["timeout"] = _number(query, "connect_timeout", float, "seconds", url)
         if "application_name" in query:
             value = query.pop("application_name")
             connect_args["server_settings"] = {"application_name": value if isinstance(value, str) else value[-1]}
@@ -113,3 +105,12 @@ def normalise_url(raw: str | URL) -> DatabaseTarget:
             options["connect_args"] = connect_args
         return DatabaseTarget("postgresql", url.set(drivername="postgresql+asyncpg", query=query), options=options)
     raise ValueError(f"Unsupported database URL {mask_url(url)!r}: {URL_FORMS}")
+
+
+def _number(query: dict[str, Any], key: str, kind: type[int] | type[float], what: str, url: URL) -> Any:
+    """The URL query option ``key`` (taken out of ``query``; the last of repeated ones) as a number."""
+    value = query.pop(key)
+    try:
+        return kind(value if isinstance(value, str) else value[-1])
+    except ValueError:
+        raise ValueError(f"{key} in {mask_url(url)!r} must be {what}, got {value!r}") from None
