@@ -83,6 +83,20 @@ def _payload(run_id: Any, kind: str) -> Any:
     return func.concat(run_id, literal(f":{kind}", Text)).label("payload")
 
 
+def _locked_rollouts(keys: Any, *columns: Any, name: str = "locked_rollouts") -> Any:
+    """The rollout rows of the batch's ``keys`` (``run_id``, ``rollout_id``), locked in ``rollout_id``
+    order, the first step of the store's lock order: a MATERIALIZED CTE of ``columns``."""
+    return (
+        select(*columns)
+        .select_from(keys)
+        .join(R, and_(R.c.run_id == keys.c.run_id, R.c.rollout_id == keys.c.rollout_id))
+        .order_by(R.c.rollout_id)
+        .with_for_update(of=R)
+        .cte(name)
+        .prefix_with("MATERIALIZED")
+    )
+
+
 # --- claims ---------------------------------------------------------------------------------------
 
 SLOT_KEYS: list[d.KeyColumn] = [("attempt_id", Text()), ("call", Integer()), ("worker_id", Text()), ("now", s.EpochSeconds)]
@@ -180,15 +194,7 @@ async def claim(db: Db, batch: Batch) -> list[Any]:
 
 def _reserve_statement() -> Any:
     w = d.keys_source(PG, "w", sp.RESERVE_KEYS)
-    locked = (
-        select(R.c.rollout_id)
-        .select_from(w)
-        .join(R, and_(R.c.run_id == w.c.run_id, R.c.rollout_id == w.c.rollout_id))
-        .order_by(R.c.rollout_id)
-        .with_for_update(of=R)
-        .cte("locked")
-        .prefix_with("MATERIALIZED")
-    )
+    locked = _locked_rollouts(w, R.c.rollout_id, name="locked")
     missing = select(w.c.call, w.c.rollout_id).where(w.c.rollout_id.not_in(select(locked.c.rollout_id))).cte("missing")
     totals = (
         select(w.c.rollout_id, func.sum(w.c.count).label("total"))
@@ -235,15 +241,7 @@ def _span_statement(allocate: bool) -> Any:
         .cte("batch_rollouts")
         .prefix_with("MATERIALIZED")
     )
-    locked_r = (
-        select(R.c.rollout_id, R.c.span_seq, R.c.attempt_count)
-        .select_from(rollouts)
-        .join(R, and_(R.c.run_id == rollouts.c.run_id, R.c.rollout_id == rollouts.c.rollout_id))
-        .order_by(R.c.rollout_id)
-        .with_for_update(of=R)
-        .cte("locked_rollouts")
-        .prefix_with("MATERIALIZED")
-    )
+    locked_r = _locked_rollouts(rollouts, R.c.rollout_id, R.c.span_seq, R.c.attempt_count)
     locked_a = (
         select(A.c.rollout_id, A.c.attempt_id, A.c.sequence_id)
         .select_from(g)
@@ -378,15 +376,7 @@ async def add_spans(db: Db, batch: Batch) -> sp.SpanInsert:
 
 def _update_statement() -> Any:
     keys = d.keys_source(PG, "u", at.UPDATE_KEYS)
-    locked_r = (
-        select(*(R.c[name] for name in at.DECISION_ROLLOUT_COLUMNS))
-        .select_from(keys)
-        .join(R, and_(R.c.run_id == keys.c.run_id, R.c.rollout_id == keys.c.rollout_id))
-        .order_by(R.c.rollout_id)
-        .with_for_update(of=R)
-        .cte("locked_rollouts")
-        .prefix_with("MATERIALIZED")
-    )
+    locked_r = _locked_rollouts(keys, *(R.c[name] for name in at.DECISION_ROLLOUT_COLUMNS))
     locked_a = (
         select(A)
         .select_from(keys)
